@@ -1,0 +1,287 @@
+"""Typed configuration: four dataclasses, loaded from TOML, validated once.
+
+A run is described by one TOML file with the sections ``[model]``, ``[parallel]``,
+``[train]`` and ``[data]``, each mapping onto the dataclass of the same name below.
+The CLI overrides a handful of fields (``--dp --tp --pp ...``); everything else
+lives in the file so a run is reproducible from its saved config.
+
+``Config.validate(world_size)`` is the single place where the rules live. It is pure
+(no MPI), so every rank runs it before the first collective and all ranks fail with
+the same message, e.g. ``tp (3) must divide n_head (8)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DTYPES = ("float32", "float64")
+MODEL_KINDS = ("gpt", "mlp")
+OPTIMIZERS = ("adamw", "sgd")
+BALANCE = ("layers", "params")
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule; the message names the values and the rule."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "gpt"  # "gpt" or "mlp"
+    dtype: str = "float32"  # "float32" or "float64" (gradient checks, equivalence tests)
+    init_std: float = 0.02
+    # GPT
+    vocab_size: int = 256  # byte-level tokens
+    seq_len: int = 128  # T, the context length
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128  # C
+    d_ff: int = 0  # MLP width inside a block; 0 means 4 * d_model
+    tie_embeddings: bool = False  # share the token embedding with the output head
+    # MLP classifier
+    input_dim: int = 784
+    hidden: tuple[int, ...] = (256, 256)
+    n_classes: int = 10
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 0  # data-parallel size; 0 means world_size // (tp * pp)
+    tp: int = 1  # tensor-parallel size (innermost: one node)
+    pp: int = 1  # pipeline stages
+    microbatches: int = 1  # per optimizer step, per data-parallel rank
+    schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved"
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved only)
+    balance: str = "layers"  # split stages by "layers" or by "params"
+    sequence_parallel: bool = False
+    zero: int = 0  # 0: plain data parallel, 1: shard optimizer state, 2: and gradients
+    bucket_mb: float = 4.0  # gradient all-reduce bucket size, MiB
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 32  # global batch, in sequences (GPT) or samples (MLP)
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # SGD only
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 1234
+    eval_interval: int = 50  # steps between validation passes; 0 disables
+    eval_batches: int = 8
+    log_interval: int = 10
+    run_dir: str = "runs/default"
+    save_interval: int = 0  # steps between checkpoints (and at the last step); 0: none
+    keep_checkpoints: int = 3  # the newest complete checkpoints kept in run_dir/checkpoints
+    blas_threads: int = 0  # per rank; 0 means cores // ranks on this node
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = "data/shakespeare.h5"  # a dataset file, or a partition manifest
+    prefetch: bool = False  # read the next batch on a background thread
+    eval_split: str = "val"  # split for validation: "val" (token streams) or "test"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self, world_size: int) -> Config:
+        """Check every rule against ``world_size``; return the config with ``dp`` resolved."""
+        # model rules first: they hold whatever the world size, so `--tp 3` on an
+        # 8-head model says so even when the rank count is wrong too
+        _check_model(self.model, self.parallel)
+        par = _resolve_dp(self.parallel, world_size)
+        _check_parallel(par, world_size)
+        _check_train(self.train, par)
+        return replace(self, parallel=par)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            f.name: {k: (list(v) if isinstance(v, tuple) else v)
+                     for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
+            for f in fields(self)
+        }
+
+
+# ---------------------------------------------------------------------------------
+# validation: each rule says what the values are and what they must satisfy
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{name} ({value!r}) must be one of {', '.join(choices)}")
+
+
+def _resolve_dp(par: ParallelConfig, world_size: int) -> ParallelConfig:
+    mp = par.tp * par.pp
+    if par.dp == 0:
+        _require(world_size % mp == 0,
+                 f"tp * pp ({par.tp} * {par.pp} = {mp}) must divide the number of "
+                 f"ranks ({world_size}) to infer dp")
+        return replace(par, dp=world_size // mp)
+    return par
+
+
+def _check_parallel(par: ParallelConfig, world_size: int) -> None:
+    _require(par.dp >= 1, f"dp ({par.dp}) must be at least 1")
+    total = par.dp * par.tp * par.pp
+    _require(total == world_size,
+             f"dp * tp * pp ({par.dp} * {par.tp} * {par.pp} = {total}) must equal "
+             f"the number of ranks ({world_size})")
+    _require(par.microbatches >= 1, f"microbatches ({par.microbatches}) must be at least 1")
+    _require_choice("schedule", par.schedule, SCHEDULES)
+    _require(par.virtual_stages >= 1,
+             f"virtual_stages ({par.virtual_stages}) must be at least 1")
+    if par.schedule == "interleaved":
+        _require(par.pp > 1, "the interleaved schedule needs pp > 1 (pp is 1)")
+        _require(par.microbatches % par.pp == 0,
+                 f"the interleaved schedule needs microbatches ({par.microbatches}) "
+                 f"divisible by pp ({par.pp})")
+    else:
+        _require(par.virtual_stages == 1,
+                 f"virtual_stages ({par.virtual_stages}) > 1 needs schedule 'interleaved' "
+                 f"(schedule is {par.schedule!r})")
+    _require_choice("balance", par.balance, BALANCE)
+    _require(par.zero in (0, 1, 2), f"zero ({par.zero}) must be 0, 1 or 2")
+    _require(par.bucket_mb > 0, f"bucket_mb ({par.bucket_mb}) must be positive")
+
+
+def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
+    _require(par.tp >= 1, f"tp ({par.tp}) must be at least 1")
+    _require(par.pp >= 1, f"pp ({par.pp}) must be at least 1")
+    _require_choice("model kind", m.kind, MODEL_KINDS)
+    _require_choice("dtype", m.dtype, DTYPES)
+    _require(m.init_std > 0, f"init_std ({m.init_std}) must be positive")
+    if m.kind == "mlp":
+        _require(par.tp == 1 and par.pp == 1,
+                 f"the MLP classifier supports data parallelism only "
+                 f"(tp is {par.tp}, pp is {par.pp})")
+        _require(m.input_dim >= 1 and m.n_classes >= 2,
+                 f"input_dim ({m.input_dim}) must be >= 1 and n_classes ({m.n_classes}) >= 2")
+        _require(all(h >= 1 for h in m.hidden), f"hidden sizes ({list(m.hidden)}) must be positive")
+        return
+    for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+        value = getattr(m, name)
+        _require(value >= 1, f"{name} ({value}) must be at least 1")
+    _require(m.d_model % m.n_head == 0,
+             f"n_head ({m.n_head}) must divide d_model ({m.d_model})")
+    _require(m.n_head % par.tp == 0, f"tp ({par.tp}) must divide n_head ({m.n_head})")
+    _require(m.ffn_dim % par.tp == 0, f"tp ({par.tp}) must divide the MLP width d_ff ({m.ffn_dim})")
+    _require(m.vocab_size % par.tp == 0,
+             f"tp ({par.tp}) must divide vocab_size ({m.vocab_size})")
+    if par.sequence_parallel:
+        _require(m.seq_len % par.tp == 0,
+                 f"sequence parallelism needs tp ({par.tp}) to divide seq_len ({m.seq_len})")
+    chunks = par.pp * par.virtual_stages
+    _require(chunks <= m.n_layer,
+             f"pp * virtual_stages ({par.pp} * {par.virtual_stages} = {chunks}) must not "
+             f"exceed n_layer ({m.n_layer}): every model chunk needs a layer")
+
+
+def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
+    _require(t.steps >= 0, f"steps ({t.steps}) must not be negative")
+    _require_choice("optimizer", t.optimizer, OPTIMIZERS)
+    per_step = par.dp * par.microbatches
+    _require(t.batch_size >= 1 and t.batch_size % per_step == 0,
+             f"batch_size ({t.batch_size}) must be a positive multiple of dp * microbatches "
+             f"({par.dp} * {par.microbatches} = {per_step})")
+    _require(t.lr > 0, f"lr ({t.lr}) must be positive")
+    _require(0 <= t.min_lr <= t.lr, f"min_lr ({t.min_lr}) must be between 0 and lr ({t.lr})")
+    _require(t.warmup_steps >= 0, f"warmup_steps ({t.warmup_steps}) must not be negative")
+    _require(t.grad_clip >= 0, f"grad_clip ({t.grad_clip}) must not be negative")
+    _require(t.eval_interval >= 0, f"eval_interval ({t.eval_interval}) must not be negative")
+    _require(t.log_interval >= 1, f"log_interval ({t.log_interval}) must be at least 1")
+    _require(t.save_interval >= 0, f"save_interval ({t.save_interval}) must not be negative")
+    _require(t.keep_checkpoints >= 1,
+             f"keep_checkpoints ({t.keep_checkpoints}) must be at least 1")
+    _require(t.blas_threads >= 0, f"blas_threads ({t.blas_threads}) must not be negative")
+
+
+# ---------------------------------------------------------------------------------
+# loading
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
+    """Check one TOML value against the field's annotated type."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    where = f"[{section}] {f.name}"
+    if kind == "bool":
+        _require(isinstance(value, bool), f"{where} ({value!r}) must be true or false")
+    elif kind == "int":
+        _require(isinstance(value, int) and not isinstance(value, bool),
+                 f"{where} ({value!r}) must be an integer")
+    elif kind == "float":
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool),
+                 f"{where} ({value!r}) must be a number")
+        value = float(value)
+    elif kind == "str":
+        _require(isinstance(value, str), f"{where} ({value!r}) must be a string")
+    elif kind.startswith("tuple"):
+        _require(isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value),
+                 f"{where} ({value!r}) must be a list of integers")
+        value = tuple(value)
+    return value
+
+
+def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    """Build a Config from nested dicts (as TOML gives them); unknown keys are errors."""
+    sections = {f.name: f for f in fields(Config)}
+    unknown = sorted(set(raw) - set(sections))
+    _require(not unknown, f"{source}: unknown section(s) {unknown}; known: {sorted(sections)}")
+    parts = {}
+    for name, sf in sections.items():
+        cls = sf.default_factory().__class__
+        given = raw.get(name, {})
+        _require(isinstance(given, dict), f"{source}: [{name}] must be a table")
+        known = {f.name: f for f in fields(cls)}
+        bad = sorted(set(given) - set(known))
+        _require(not bad, f"{source}: unknown key(s) {bad} in [{name}]; known: {sorted(known)}")
+        parts[name] = cls(**{k: _coerce(name, known[k], v) for k, v in given.items()})
+    return Config(**parts)
+
+
+def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a TOML config file and apply ``overrides`` (``{"parallel.tp": 2, ...}``)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    for dotted, value in (overrides or {}).items():
+        section, key = dotted.split(".")
+        raw.setdefault(section, {})[key] = value
+    return from_dict(raw, source=str(path))

@@ -1,0 +1,56 @@
+"""Per-step metrics: one JSON object a line in ``RUN_DIR/metrics.jsonl``, and a
+readable progress line. Only the rank that owns the writer (rank 0) touches files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class MetricsWriter:
+    """Appends metrics records to ``run_dir/metrics.jsonl`` and prints progress."""
+
+    def __init__(self, run_dir: str | Path, *, stream: TextIO | None = None,
+                 resume_after: int | None = None):
+        """A new file, or with ``resume_after`` the old one minus records of later steps
+        (a run resumed from step N's checkpoint redoes the steps after N)."""
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_after is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_after]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            tmp.replace(self.path)
+        self._file = self.path.open("w" if resume_after is None else "a", encoding="utf-8")
+        self._stream = stream if stream is not None else sys.stdout
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+
+    def say(self, text: str) -> None:
+        print(text, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def progress_line(rec: dict[str, Any], total_steps: int) -> str:
+    """``step   10/200 | loss 3.1416 | val 3.2000 | lr 1.00e-03 | ...``"""
+    width = len(str(total_steps))
+    parts = [f"step {rec['step']:{width}d}/{total_steps}", f"loss {rec['loss']:.4f}"]
+    if "val_loss" in rec:
+        parts.append(f"val {rec['val_loss']:.4f}")
+    if "val_accuracy" in rec:
+        parts.append(f"acc {rec['val_accuracy']:.4f}")
+    parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
+              f"{rec['tokens_per_s']:,.0f} tok/s", f"{rec['step_time_s'] * 1e3:.0f} ms/step"]
+    return " | ".join(parts)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics file, in order (for tests, plots and resume checks)."""
+    with Path(path).open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

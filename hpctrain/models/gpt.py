@@ -1,0 +1,265 @@
+"""A decoder-only, pre-LayerNorm GPT (as in GPT-2 / nanoGPT), built from hpctrain.nn.
+
+    x = wte[idx] + wpe[0..T-1]                    embed           (B, T, C)
+    x = x + attn(ln1(x));  x = x + mlp(ln2(x))    blocks[i]       (B, T, C)
+    loss = cross_entropy(ln_f(x) @ W_lm, targets) head            (B, T, V)
+
+The model is three kinds of separable part, ``embed``, ``blocks`` (a list) and ``head``,
+each with ``forward -> (y, cache)`` and ``backward(dy, cache) -> dx``, so a pipeline
+stage can run the embedding, a range of blocks, or the head on its own. With
+``tie_embeddings`` the head multiplies by ``wte.weight.T`` instead of owning a
+``lm_head``, and its gradient is added into the token embedding.
+
+Initialisation: one ``np.random.default_rng(seed)`` consumed in construction order;
+weights normal(0, init_std), the two residual projections of each block normal(0,
+init_std / sqrt(2 n_layer)) as in GPT-2, biases zero, LayerNorm weights one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hpctrain.config import ModelConfig
+from hpctrain.nn import (
+    GELU,
+    AttentionCache,
+    CausalSelfAttention,
+    CrossEntropyCache,
+    Embedding,
+    EmbeddingCache,
+    GELUCache,
+    LayerNorm,
+    LayerNormCache,
+    Linear,
+    LinearCache,
+    Module,
+    cross_entropy,
+    cross_entropy_backward,
+)
+
+# ---------------------------------------------------------------------------------
+# embed: token plus position embedding
+
+
+class EmbedCache(NamedTuple):
+    wte: EmbeddingCache
+    wpe: EmbeddingCache
+
+
+class Embed(Module):
+    """``x[b, t] = wte[idx[b, t]] + wpe[t]``; backward adds into both tables."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, *,
+                 rng: np.random.Generator, dtype, std: float):
+        self.wte = Embedding(vocab_size, d_model, rng=rng, dtype=dtype, std=std)
+        self.wpe = Embedding(seq_len, d_model, rng=rng, dtype=dtype, std=std)
+
+    def forward(self, idx: np.ndarray) -> tuple[np.ndarray, EmbedCache]:
+        # idx (B, T) int -> x (B, T, C)
+        T, max_T = idx.shape[1], self.wpe.weight.shape[0]
+        if T > max_T:
+            raise ValueError(f"sequence length ({T}) must not exceed seq_len ({max_T})")
+        x, wte_cache = self.wte.forward(idx)  # (B, T, C), a fresh array
+        pos, wpe_cache = self.wpe.forward(np.arange(T))  # (T, C)
+        x += pos
+        return x, EmbedCache(wte_cache, wpe_cache)
+
+    def backward(self, dx: np.ndarray, cache: EmbedCache) -> None:
+        # dx (B, T, C); the input is integer, so there is nothing to return
+        self.wte.backward(dx, cache.wte)
+        self.wpe.backward(dx.sum(axis=0), cache.wpe)  # (T, C): positions are shared over B
+        return None
+
+
+# ---------------------------------------------------------------------------------
+# blocks
+
+
+class FeedForwardCache(NamedTuple):
+    fc: LinearCache
+    gelu: GELUCache
+    proj: LinearCache
+
+
+class FeedForward(Module):
+    """``y = gelu(x @ W_fc + b_fc) @ W_proj + b_proj``, width C -> d_ff -> C."""
+
+    def __init__(self, d_model: int, d_ff: int, *, rng: np.random.Generator, dtype,
+                 std: float, proj_std: float):
+        self.fc = Linear(d_model, d_ff, rng=rng, dtype=dtype, std=std)
+        self.gelu = GELU()
+        self.proj = Linear(d_ff, d_model, rng=rng, dtype=dtype, std=proj_std)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, FeedForwardCache]:
+        # x (B, T, C) -> y (B, T, C)
+        h, fc = self.fc.forward(x)  # (B, T, d_ff)
+        h, gelu = self.gelu.forward(h)  # (B, T, d_ff)
+        y, proj = self.proj.forward(h)  # (B, T, C)
+        return y, FeedForwardCache(fc, gelu, proj)
+
+    def backward(self, dy: np.ndarray, cache: FeedForwardCache) -> np.ndarray:
+        # dy (B, T, C) -> dx (B, T, C)
+        dh = self.proj.backward(dy, cache.proj)  # (B, T, d_ff)
+        dh = self.gelu.backward(dh, cache.gelu)  # (B, T, d_ff)
+        return self.fc.backward(dh, cache.fc)  # (B, T, C)
+
+
+class BlockCache(NamedTuple):
+    ln1: LayerNormCache
+    attn: AttentionCache
+    ln2: LayerNormCache
+    mlp: FeedForwardCache
+
+
+class Block(Module):
+    """``x = x + attn(ln1(x))``, then ``x = x + mlp(ln2(x))``.
+
+    The residual adds are written inline (in place, on the branch's fresh output);
+    in backward the gradient of each sum goes unchanged to both the skip path and the
+    branch, as in ``nn.Residual``.
+    """
+
+    def __init__(self, d_model: int, n_head: int, d_ff: int, *, rng: np.random.Generator,
+                 dtype, std: float, proj_std: float):
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, n_head, rng=rng, dtype=dtype, std=std,
+                                        proj_std=proj_std)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = FeedForward(d_model, d_ff, rng=rng, dtype=dtype, std=std,
+                               proj_std=proj_std)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, BlockCache]:
+        # x (B, T, C) -> y (B, T, C); the input x is not modified
+        h, ln1 = self.ln1.forward(x)
+        h, attn = self.attn.forward(h)  # (B, T, C)
+        h += x
+        x = h
+        h, ln2 = self.ln2.forward(x)
+        h, mlp = self.mlp.forward(h)  # (B, T, C)
+        h += x
+        return h, BlockCache(ln1, attn, ln2, mlp)
+
+    def backward(self, dy: np.ndarray, cache: BlockCache) -> np.ndarray:
+        # dy (B, T, C) -> dx (B, T, C)
+        dh = self.ln2.backward(self.mlp.backward(dy, cache.mlp), cache.ln2)
+        dh += dy  # skip path of the second residual
+        dx = self.ln1.backward(self.attn.backward(dh, cache.attn), cache.ln1)
+        dx += dh  # skip path of the first residual
+        return dx
+
+
+# ---------------------------------------------------------------------------------
+# head: final LayerNorm, output projection, loss
+
+
+class HeadCache(NamedTuple):
+    ln_f: LayerNormCache
+    lm: LinearCache  # lm_head's cache; with tied embeddings, the projection's input
+    ce: CrossEntropyCache  # holds the logits, (B T, V)
+
+    @property
+    def logits(self) -> np.ndarray:
+        """(B, T, V)"""
+        return self.ce.logits.reshape(*self.ln_f.xhat.shape[:-1], -1)
+
+
+class Head(Module):
+    """``logits = ln_f(x) @ W`` with ``W = lm_head.weight (C, V)``, or ``wte.weight.T``
+    when the embeddings are tied (then ``lm_head`` is None and ``wte`` is the model's
+    token Embedding, so its gradient gets both contributions);
+    ``loss = cross_entropy(logits, targets)``.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, *, rng: np.random.Generator, dtype,
+                 std: float, tied: Embedding | None = None):
+        self.ln_f = LayerNorm(d_model, dtype=dtype)
+        self.lm_head = None
+        if tied is None:
+            self.lm_head = Linear(d_model, vocab_size, bias=False, rng=rng, dtype=dtype,
+                                  std=std)
+        self.wte = tied
+
+    def _project(self, h: np.ndarray) -> tuple[np.ndarray, LinearCache]:
+        # h (B, T, C) -> logits (B, T, V)
+        if self.lm_head is not None:
+            return self.lm_head.forward(h)
+        logits = h.reshape(-1, h.shape[-1]) @ self.wte.weight.data.T  # (B T, V)
+        return logits.reshape(*h.shape[:-1], -1), LinearCache(h)
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        # x (B, T, C) -> logits (B, T, V)
+        return self._project(self.ln_f.forward(x)[0])[0]
+
+    def forward(self, x: np.ndarray, targets: np.ndarray) -> tuple[float, HeadCache]:
+        # x (B, T, C), targets (B, T) int -> loss, mean over B T
+        h, ln_f = self.ln_f.forward(x)  # (B, T, C)
+        logits, lm = self._project(h)  # (B, T, V)
+        loss, ce = cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss, HeadCache(ln_f, lm, ce)
+
+    def backward(self, dloss: float, cache: HeadCache) -> np.ndarray:
+        # dloss scalar -> dx (B, T, C)
+        shape = cache.ln_f.xhat.shape  # (B, T, C)
+        dlogits = cross_entropy_backward(dloss, cache.ce)  # (B T, V)
+        if self.lm_head is not None:
+            dh = self.lm_head.backward(dlogits.reshape(*shape[:-1], -1), cache.lm)
+        else:
+            h = cache.lm.x.reshape(-1, shape[-1])  # (B T, C)
+            self.wte.weight.grad += dlogits.T @ h  # (V, C)
+            dh = (dlogits @ self.wte.weight.data).reshape(shape)  # (B, T, C)
+        return self.ln_f.backward(dh, cache.ln_f)
+
+
+# ---------------------------------------------------------------------------------
+# the whole model
+
+
+class GPTCache(NamedTuple):
+    embed: EmbedCache
+    blocks: list[BlockCache]
+    head: HeadCache
+
+
+class GPT(Module):
+    """The full model; ``forward`` and ``backward`` just chain embed, blocks and head."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        rng = np.random.default_rng(seed)
+        dtype = np.dtype(cfg.dtype)
+        std = cfg.init_std
+        proj_std = std / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.seq_len, cfg.d_model, rng=rng, dtype=dtype,
+                           std=std)
+        self.blocks = [Block(cfg.d_model, cfg.n_head, cfg.ffn_dim, rng=rng, dtype=dtype,
+                             std=std, proj_std=proj_std) for _ in range(cfg.n_layer)]
+        self.head = Head(cfg.d_model, cfg.vocab_size, rng=rng, dtype=dtype, std=std,
+                         tied=self.embed.wte if cfg.tie_embeddings else None)
+
+    def forward(self, idx: np.ndarray, targets: np.ndarray) -> tuple[float, GPTCache]:
+        # idx (B, T) int, targets (B, T) int -> loss, mean over B T
+        x, embed = self.embed.forward(idx)  # (B, T, C)
+        blocks = []
+        for block in self.blocks:
+            x, cache = block.forward(x)
+            blocks.append(cache)
+        loss, head = self.head.forward(x, targets)
+        return loss, GPTCache(embed, blocks, head)
+
+    def backward(self, cache: GPTCache, dloss: float = 1.0) -> None:
+        """Add the gradients of ``dloss * loss`` into every parameter's ``.grad``."""
+        dx = self.head.backward(dloss, cache.head)  # (B, T, C)
+        for block, block_cache in zip(reversed(self.blocks), reversed(cache.blocks),
+                                      strict=True):
+            dx = block.backward(dx, block_cache)
+        self.embed.backward(dx, cache.embed)
+
+    def logits(self, idx: np.ndarray) -> np.ndarray:
+        # idx (B, T) int -> logits (B, T, V)
+        x, _ = self.embed.forward(idx)
+        for block in self.blocks:
+            x, _ = block.forward(x)
+        return self.head.logits(x)

@@ -1,0 +1,94 @@
+"""Causal multi-head self-attention with a hand-written backward pass.
+
+    qkv = x @ Wqkv + bqkv                      (B, T, 3 H D), columns [q | k | v]
+    S   = (q / sqrt(D)) @ k^T  + mask          (B, H, T, T), mask = -inf above diagonal
+    P   = softmax(S)  along the last axis
+    y   = P @ v                                (B, H, T, D) -> (B, T, H D)
+    out = y @ Wproj + bproj                    (B, T, C)
+
+Each of q, k, v is a block of ``H * D`` columns ordered head by head, so head ``h`` of
+q is columns ``h*D : (h+1)*D``. The number of heads is ``self.n_head`` and nothing is
+derived from ``d_model`` at run time: a tensor-parallel wrapper may swap ``qkv`` and
+``proj`` for sharded linears and set ``n_head`` to the local head count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hpctrain.nn.layers import Linear, LinearCache
+from hpctrain.nn.module import Module
+
+
+class AttentionCache(NamedTuple):
+    qkv: LinearCache
+    q: np.ndarray  # (B, H, T, D), already scaled by 1/sqrt(D); views into the qkv output
+    k: np.ndarray  # (B, H, T, D)
+    v: np.ndarray  # (B, H, T, D)
+    p: np.ndarray  # (B, H, T, T) attention probabilities
+    proj: LinearCache
+
+
+class CausalSelfAttention(Module):
+    """Batched attention over ``(B, H, T, D)``; no Python loop over batch or heads.
+
+    Backward, with ``dy`` the gradient of ``y = P v`` in ``(B, H, T, D)``:
+    ``dv = P^T dy``, ``dP = dy v^T``, ``dS = P * (dP - rowsum(dP * P))``,
+    ``dq = dS k / sqrt(D)``, ``dk = dS^T (q / sqrt(D))``.
+    """
+
+    def __init__(self, d_model: int, n_head: int, *, rng: np.random.Generator,
+                 dtype=np.float32, std: float = 0.02, proj_std: float | None = None):
+        if d_model % n_head:
+            raise ValueError(f"n_head ({n_head}) must divide d_model ({d_model})")
+        self.n_head = n_head
+        self.head_dim = d_model // n_head
+        self.qkv = Linear(d_model, 3 * d_model, rng=rng, dtype=dtype, std=std)
+        self.proj = Linear(d_model, d_model, rng=rng, dtype=dtype,
+                           std=std if proj_std is None else proj_std)
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, AttentionCache]:
+        # x (B, T, C) -> out (B, T, C)
+        B, T, _ = x.shape
+        H, D = self.n_head, self.head_dim
+        qkv, qkv_cache = self.qkv.forward(x)  # (B, T, 3 H D)
+        if qkv.shape[-1] != 3 * H * D:
+            raise ValueError(f"qkv width ({qkv.shape[-1]}) must be 3 * n_head * head_dim "
+                             f"(3 * {H} * {D})")
+        q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        q *= 1.0 / math.sqrt(D)  # in place: q is not needed unscaled
+        p = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T)
+        np.copyto(p, -np.inf, where=_future_mask(T))
+        p -= p.max(axis=-1, keepdims=True)  # the diagonal is never masked: max is finite
+        np.exp(p, out=p)
+        p /= p.sum(axis=-1, keepdims=True)
+        y = np.empty((B, T, H, D), dtype=qkv.dtype)
+        np.matmul(p, v, out=y.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+        out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
+        return out, AttentionCache(qkv_cache, q, k, v, p, proj_cache)
+
+    def backward(self, dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
+        # dout (B, T, C) -> dx (B, T, C)
+        B, T, _ = dout.shape
+        H, D = self.n_head, self.head_dim
+        q, k, v, p = cache.q, cache.k, cache.v, cache.p
+        dy = self.proj.backward(dout, cache.proj)  # (B, T, H D)
+        dy = dy.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
+        dqkv = np.empty((B, T, 3, H, D), dtype=dout.dtype)
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D), views into dqkv
+        np.matmul(p.transpose(0, 1, 3, 2), dy, out=dv)
+        ds = dy @ v.transpose(0, 1, 3, 2)  # (B, H, T, T), dP
+        ds -= np.einsum("bhij,bhij->bhi", ds, p)[..., None]  # softmax backward, in place
+        ds *= p  # masked entries have p == 0, so they get no gradient
+        np.matmul(ds, k, out=dq)
+        dq *= 1.0 / math.sqrt(D)
+        np.matmul(ds.transpose(0, 1, 3, 2), q, out=dk)  # q was cached already scaled
+        return self.qkv.backward(dqkv.reshape(B, T, 3 * H * D), cache.qkv)
+
+
+def _future_mask(T: int) -> np.ndarray:
+    """(T, T) boolean, True where key position j > query position i."""
+    return np.triu(np.ones((T, T), dtype=bool), k=1)

@@ -1,0 +1,221 @@
+"""The elementary layers, each forward followed at once by its backward.
+
+Every layer follows one contract:
+
+* ``forward(x) -> (y, cache)``: ``cache`` is a small NamedTuple holding exactly what the
+  backward pass needs; nothing is kept on ``self``.
+* ``backward(dy, cache) -> dx``: returns the gradient with respect to the input and
+  *adds* the parameter gradients into ``Parameter.grad``, so calling forward/backward
+  once per microbatch accumulates over the microbatches.
+
+Shapes: ``N`` is any number of leading dimensions flattened (``B * T`` in the GPT).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hpctrain.nn.module import Module, Parameter
+
+
+def init_normal(rng: np.random.Generator, shape: tuple[int, ...], std: float,
+                dtype) -> np.ndarray:
+    """normal(0, std) drawn in float64 and then cast, so a float32 and a float64 model
+    built from the same seed hold the same weights up to rounding."""
+    return (rng.standard_normal(shape) * std).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Linear
+
+
+class LinearCache(NamedTuple):
+    x: np.ndarray  # (..., in), the input: dW = x^T dy
+
+
+class Linear(Module):
+    """``y = x @ W + b`` with ``W (in, out)``, ``b (out,)``, on any leading dims.
+
+    Backward: ``dW += x^T dy``, ``db += sum_N dy``, ``dx = dy W^T``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 rng: np.random.Generator, dtype=np.float32, std: float = 0.02):
+        self.weight = Parameter(init_normal(rng, (in_features, out_features), std, dtype))
+        self.bias = Parameter(np.zeros(out_features, dtype)) if bias else None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, LinearCache]:
+        # x (..., in) -> y (..., out)
+        y = x.reshape(-1, x.shape[-1]) @ self.weight.data  # (N, out)
+        if self.bias is not None:
+            y += self.bias.data
+        return y.reshape(*x.shape[:-1], y.shape[-1]), LinearCache(x)
+
+    def backward(self, dy: np.ndarray, cache: LinearCache,
+                 need_dx: bool = True) -> np.ndarray | None:
+        # dy (..., out) -> dx (..., in), or None with need_dx=False (a network's first
+        # layer, whose input needs no gradient: saves one of the three GEMMs)
+        x = cache.x.reshape(-1, cache.x.shape[-1])  # (N, in)
+        dy = dy.reshape(-1, dy.shape[-1])  # (N, out)
+        self.weight.grad += x.T @ dy  # (in, out)
+        if self.bias is not None:
+            self.bias.grad += dy.sum(axis=0)  # (out,)
+        if not need_dx:
+            return None
+        dx = dy @ self.weight.data.T  # (N, in)
+        return dx.reshape(cache.x.shape)
+
+
+# ---------------------------------------------------------------------------------
+# Embedding
+
+
+class EmbeddingCache(NamedTuple):
+    idx: np.ndarray  # (...) integer row indices
+
+
+class Embedding(Module):
+    """Row lookup ``y[...] = W[idx[...]]`` with ``W (num, dim)``.
+
+    Backward scatters: ``dW[i] += sum of dy over the positions where idx == i``. The
+    input is integer, so there is no input gradient and backward returns None.
+    """
+
+    def __init__(self, num: int, dim: int, *, rng: np.random.Generator,
+                 dtype=np.float32, std: float = 0.02):
+        self.weight = Parameter(init_normal(rng, (num, dim), std, dtype))
+
+    def forward(self, idx: np.ndarray) -> tuple[np.ndarray, EmbeddingCache]:
+        # idx (...) int -> y (..., dim)
+        return self.weight.data[idx], EmbeddingCache(idx)
+
+    def backward(self, dy: np.ndarray, cache: EmbeddingCache) -> None:
+        # dy (..., dim); repeated indices must add up, hence ufunc.at rather than +=.
+        # Flattened to 1-D indices, where numpy's add.at is fast.
+        dim = self.weight.shape[1]
+        rows = cache.idx.reshape(-1, 1).astype(np.int64)  # (N, 1); tokens may be uint16
+        flat = (rows * dim + np.arange(dim)).reshape(-1)  # (N * dim,)
+        grad = np.reshape(self.weight.grad, -1, copy=False)  # raises rather than copy
+        np.add.at(grad, flat, dy.reshape(-1))
+        return None
+
+
+# ---------------------------------------------------------------------------------
+# LayerNorm
+
+
+class LayerNormCache(NamedTuple):
+    xhat: np.ndarray  # (..., C) normalised input
+    rstd: np.ndarray  # (..., 1) 1 / sqrt(var + eps)
+
+
+class LayerNorm(Module):
+    """``y = w * xhat + b`` with ``xhat = (x - mean) / sqrt(var + eps)`` over the last axis.
+
+    Backward, with ``g = dy * w`` and means over the last axis:
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``,
+    ``dw += sum_N dy * xhat``, ``db += sum_N dy``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, dtype=np.float32):
+        self.eps = eps
+        self.weight = Parameter(np.ones(dim, dtype))
+        self.bias = Parameter(np.zeros(dim, dtype))
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, LayerNormCache]:
+        # x (..., C) -> y (..., C)
+        xhat = x - x.mean(axis=-1, keepdims=True)  # (..., C), centred
+        var = np.mean(xhat * xhat, axis=-1, keepdims=True)  # (..., 1)
+        rstd = 1.0 / np.sqrt(var + self.eps)  # (..., 1)
+        xhat *= rstd
+        y = xhat * self.weight.data
+        y += self.bias.data
+        return y, LayerNormCache(xhat, rstd)
+
+    def backward(self, dy: np.ndarray, cache: LayerNormCache) -> np.ndarray:
+        # dy (..., C) -> dx (..., C)
+        xhat, rstd = cache
+        c = dy.shape[-1]
+        self.weight.grad += np.einsum("nc,nc->c", dy.reshape(-1, c), xhat.reshape(-1, c))
+        self.bias.grad += dy.reshape(-1, c).sum(axis=0)
+        g = dy * self.weight.data  # (..., C)
+        mean_g = g.mean(axis=-1, keepdims=True)  # (..., 1)
+        mean_gx = np.einsum("...c,...c->...", g, xhat)[..., None] / c  # (..., 1)
+        g -= mean_g
+        g -= xhat * mean_gx
+        g *= rstd
+        return g
+
+
+# ---------------------------------------------------------------------------------
+# GELU (tanh approximation, as in GPT-2)
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+class GELUCache(NamedTuple):
+    x: np.ndarray  # (...) input
+    t: np.ndarray  # (...) tanh(k (x + a x^3))
+
+
+class GELU(Module):
+    """``y = x/2 (1 + t)``, ``t = tanh(k (x + a x^3))``, ``k = sqrt(2/pi)``, ``a = 0.044715``.
+
+    Backward: ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 a x^2)``.
+    """
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, GELUCache]:
+        # x (...) -> y (...); in place, so only t and y are allocated
+        t = x * x
+        t *= _GELU_K * _GELU_A
+        t += _GELU_K
+        t *= x  # k (x + a x^3)
+        np.tanh(t, out=t)
+        y = t + 1.0
+        y *= x
+        y *= 0.5
+        return y, GELUCache(x, t)
+
+    def backward(self, dy: np.ndarray, cache: GELUCache) -> np.ndarray:
+        # dy (...) -> dx (...); in place, so only dx and one scratch array are allocated
+        x, t = cache
+        dx = x * x
+        dx *= 1.5 * _GELU_K * _GELU_A
+        dx += 0.5 * _GELU_K
+        dx *= x  # x/2 k (1 + 3 a x^2)
+        tmp = t * t
+        np.subtract(1.0, tmp, out=tmp)
+        dx *= tmp  # x/2 (1 - t^2) k (1 + 3 a x^2)
+        np.multiply(t, 0.5, out=tmp)
+        dx += tmp
+        dx += 0.5  # + (1 + t)/2
+        dx *= dy
+        return dx
+
+
+# ---------------------------------------------------------------------------------
+# Residual add
+
+
+class Residual(Module):
+    """``y = a + b``; backward hands ``dy`` unchanged to both branches."""
+
+    def forward(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, None]:
+        # a, b (..., C) -> y (..., C)
+        return a + b, None
+
+    def backward(self, dy: np.ndarray, cache: None) -> tuple[np.ndarray, np.ndarray]:
+        # dy (..., C) -> (da, db), both (..., C)
+        return dy, dy

@@ -1,0 +1,105 @@
+"""How a job starts and how it fails: one rank's error ends every rank.
+
+Two kinds of failure, two mechanisms:
+
+* **User errors** (a bad config value, a missing or corrupt dataset) are found during
+  start-up, before any training collective. ``startup_check`` runs the start-up work
+  on every rank, then gathers the verdicts in one ``allgather``: if any rank failed,
+  rank 0 prints each distinct message once (naming the ranks it came from) and every
+  rank exits with status 2. No traceback: the message says what to fix.
+* **Anything else**, at any time, on any rank: ``abort_on_error`` prints the traceback
+  prefixed with the rank and calls ``MPI_Abort``, which ends the whole job with a
+  non-zero status. Waiting ranks are never left hanging in a collective (the same
+  behaviour as ``python -m mpi4py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+EXIT_USER_ERROR = 2
+EXIT_CRASH = 1
+
+
+class UserError(Exception):
+    """An error the user fixes by changing input; printed without a traceback."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types that are reported as one clean message."""
+    from hpctrain.config import ConfigError
+    from hpctrain.data import DataError
+
+    return (UserError, ConfigError, DataError)
+
+
+def startup_check(comm: Any, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it raises a user error on any rank, all exit(2).
+
+    Collective over ``comm`` (one ``allgather`` of a short string).
+    """
+    error = None
+    result = None
+    try:
+        result = fn()
+    except user_error_types() as err:
+        error = str(err)
+    errors = comm.allgather(error)
+    if any(e is not None for e in errors):
+        if comm.Get_rank() == 0:
+            by_message: dict[str, list[int]] = {}
+            for rank, message in enumerate(errors):
+                if message is not None:
+                    by_message.setdefault(message, []).append(rank)
+            for message, ranks in by_message.items():
+                where = "" if len(ranks) == comm.Get_size() else f" (rank {_ranges(ranks)})"
+                print(f"error{where}: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    return result
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+@contextmanager
+def abort_on_error(comm: Any):
+    """End the whole job if the body raises on this rank.
+
+    A user error still prints one line without a traceback; anything else prints the
+    traceback. Either way ``comm.Abort`` follows when other ranks exist, since they may
+    already be waiting in a collective this rank will never join.
+    """
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - every failure must end the job
+        rank, size = comm.Get_rank(), comm.Get_size()
+        prefix = f"[rank {rank}] " if size > 1 else ""
+        if isinstance(err, user_error_types()):
+            print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+            code = EXIT_USER_ERROR
+        else:
+            text = "".join(traceback.format_exception(err))
+            sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))
+            sys.stderr.flush()
+            code = EXIT_CRASH
+        if size > 1:
+            comm.Abort(code)
+        sys.exit(code)
+
+
+def set_blas_threads(threads: int) -> int:
+    """Limit the BLAS pool of the NumPy already loaded in this process; return the count."""
+    from threadpoolctl import threadpool_limits
+
+    threads = max(1, threads)
+    threadpool_limits(limits=threads, user_api="blas")
+    return threads

@@ -1,0 +1,94 @@
+"""Helpers for tests that run on many ranks: assertions that fail on every rank.
+
+A plain ``assert`` that fails on one rank leaves the others waiting in the next
+collective. ``assert_all`` gathers every rank's verdict first, so all ranks fail
+together and the message names the ranks that disagreed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def assert_all(comm: Any, ok: bool, what: str = "check") -> None:
+    """Fail on every rank of ``comm`` unless ``ok`` holds on every rank (collective)."""
+    verdicts = comm.allgather(bool(ok))
+    bad = [r for r, v in enumerate(verdicts) if not v]
+    if bad:
+        raise AssertionError(f"{what} failed on rank(s) {bad} of {comm.Get_size()}")
+
+
+def assert_close_all(comm: Any, actual, expected, *, rtol: float, atol: float = 0.0,
+                     what: str = "values") -> None:
+    """``np.allclose`` on every rank, failing everywhere with the worst error (collective)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    same_shape = actual.shape == expected.shape
+    err = float(np.max(np.abs(actual - expected) / (atol + rtol * np.abs(expected) + 1e-300))) \
+        if same_shape and actual.size else (0.0 if same_shape else np.inf)
+    errors = comm.allgather(err)
+    bad = [r for r, e in enumerate(errors) if not e <= 1.0]
+    if bad:
+        raise AssertionError(
+            f"{what} differ on rank(s) {bad}: worst |a-b|/(atol+rtol*|b|) = "
+            f"{max(errors):.3g} (rtol {rtol}, atol {atol}; inf means a shape mismatch)")
+
+
+def mpiexec() -> str:
+    """The ``mpiexec`` beside this Python (the venv's MPICH), else the one on PATH."""
+    import os
+    import shutil
+    import sys
+
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found: run `make install` (it brings MPICH into .venv)")
+    return found
+
+
+def run_mpi(nprocs: int, args: list[str], *, timeout: float, env: dict | None = None,
+            cwd=None):
+    """Run ``mpiexec -n nprocs ARGS`` to completion; returns the CompletedProcess.
+
+    ``subprocess.TimeoutExpired`` propagates: a hang is a failure, never a wait.
+    """
+    import os
+    import subprocess
+
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                **(env or {})}
+    return subprocess.run([mpiexec(), "-n", str(nprocs), *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+def train_losses(cfg, comm, batches, *, steps: int | None = None) -> list[float]:
+    """Train ``cfg`` (validated for ``comm``'s size) on given *global* batches.
+
+    ``batches``: a list of (x, y) global batches, the same on every rank; each data-
+    parallel rank takes its contiguous slice, as the loader does for unpartitioned
+    files. Returns the loss of every step (the serial curve when comm has one rank).
+    Used by the equivalence tests of every parallel layout.
+    """
+    from hpctrain.optim import schedule
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.parallel.topology import Topology
+    from hpctrain.train import make_data_parallel, train_step
+
+    topo = Topology.build(comm, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    t = cfg.train
+    steps = len(batches) if steps is None else steps
+    losses = []
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        b = len(x) // topo.dp_size
+        rows = slice(topo.dp_rank * b, (topo.dp_rank + 1) * b)
+        lr = schedule.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                            total_steps=steps)
+        loss, _ = train_step(engine, dp, x[rows], y[rows], lr=lr, grad_clip=t.grad_clip)
+        losses.append(loss)
+    topo.free()
+    return losses

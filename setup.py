@@ -1,0 +1,35 @@
+"""Install hpctrain: `pip install -e .[test,mpich]` (see the Makefile's `install`)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="hpctrain",
+    version="0.1.0",
+    description="MPI-parallel training of NumPy models: data, tensor and pipeline "
+    "parallelism, HDF5 datasets and checkpoints, SLURM job templates.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["hpctrain", "hpctrain.*", "data_prep", "data_prep.*"]),
+    install_requires=[
+        "numpy>=1.26",
+        "mpi4py>=3.1",
+        "h5py>=3.8",
+        "click>=8.1",
+        # Sets the BLAS thread count of an already-loaded NumPy; environment
+        # variables only work before the first import, which a library cannot control.
+        "threadpoolctl>=3.1",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "ruff>=0.5"],
+        # Laptops: the MPICH wheel puts `mpiexec` into the venv. Clusters use their
+        # system MPI instead (build mpi4py against it and leave this extra out).
+        "mpich": ["mpich"],
+    },
+    entry_points={
+        "console_scripts": [
+            "hpctrain = hpctrain.cli:main",
+            "hpctrain-prep = data_prep.cli:main",
+        ]
+    },
+)

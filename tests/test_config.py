@@ -1,0 +1,99 @@
+"""Config loading and the validation rules: each message names the values and the rule."""
+
+import pytest
+
+from hpctrain import config as C
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_validate_serially_and_dp_is_inferred():
+    cfg = C.Config().validate(1)
+    assert cfg.parallel.dp == 1
+    cfg = C.Config(parallel=C.ParallelConfig(tp=2, pp=2)).validate(8)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (2, 2, 2)
+
+
+def test_toml_sections_types_and_overrides(tmp_path):
+    path = write(tmp_path, """
+[model]
+n_layer = 2
+hidden = [64, 32]
+[parallel]
+tp = 2
+[train]
+lr = 3
+steps = 7
+""")
+    cfg = C.load(path, {"parallel.tp": 1, "train.seed": 9})
+    assert cfg.model.n_layer == 2 and cfg.model.hidden == (64, 32)
+    assert cfg.parallel.tp == 1 and cfg.train.seed == 9 and cfg.train.steps == 7
+    assert isinstance(cfg.train.lr, float) and cfg.train.lr == 3.0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[modle]\nx = 1\n", r"unknown section\(s\) \['modle'\]"),
+    ("[model]\nn_layers = 2\n", r"unknown key\(s\) \['n_layers'\] in \[model\]"),
+    ("[model]\nn_layer = 'two'\n", r"\[model\] n_layer \('two'\) must be an integer"),
+    ("[train]\nlr = true\n", r"\[train\] lr \(True\) must be a number"),
+    ("[parallel]\nsequence_parallel = 1\n", r"must be true or false"),
+    ("[model\n", r"is not valid TOML"),
+])
+def test_bad_files_name_the_key_and_the_rule(tmp_path, text, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.load(write(tmp_path, text))
+
+
+def test_missing_file_is_named():
+    with pytest.raises(C.ConfigError, match=r"config file 'nope.toml' does not exist"):
+        C.load("nope.toml")
+
+
+def cfg_with(world=1, **kw):
+    parts = {"model": {}, "parallel": {}, "train": {}}
+    for key, value in kw.items():
+        section, field = key.split("__")
+        parts[section][field] = value
+    return C.Config(model=C.ModelConfig(**parts["model"]),
+                    parallel=C.ParallelConfig(**parts["parallel"]),
+                    train=C.TrainConfig(**parts["train"])), world
+
+
+@pytest.mark.parametrize("args, message", [
+    (cfg_with(3, parallel__tp=3, model__n_head=8), r"tp \(3\) must divide n_head \(8\)"),
+    (cfg_with(1, parallel__tp=3, model__n_head=8), r"tp \(3\) must divide n_head \(8\)"),
+    (cfg_with(3, model__n_head=3), r"n_head \(3\) must divide d_model \(128\)"),
+    (cfg_with(2, parallel__tp=2, model__d_ff=33, model__n_head=2),
+     r"tp \(2\) must divide the MLP width d_ff \(33\)"),
+    (cfg_with(2, parallel__tp=2, model__vocab_size=255), r"tp \(2\) must divide vocab_size"),
+    (cfg_with(3, parallel__pp=2), r"tp \* pp \(1 \* 2 = 2\) must divide the number of ranks \(3\)"),
+    (cfg_with(4, parallel__dp=3), r"dp \* tp \* pp \(3 \* 1 \* 1 = 3\) must equal .* \(4\)"),
+    (cfg_with(2, parallel__pp=2, parallel__schedule="interleaved", parallel__microbatches=3,
+              parallel__virtual_stages=2), r"microbatches \(3\) divisible by pp \(2\)"),
+    (cfg_with(1, parallel__schedule="zigzag"), r"schedule \('zigzag'\) must be one of"),
+    (cfg_with(1, parallel__virtual_stages=2), r"needs schedule 'interleaved'"),
+    (cfg_with(8, parallel__pp=8, model__n_layer=4), r"must not exceed n_layer \(4\)"),
+    (cfg_with(2, train__batch_size=5, parallel__microbatches=1),
+     r"batch_size \(5\) must be a positive multiple of dp \* microbatches \(2 \* 1 = 2\)"),
+    (cfg_with(1, parallel__zero=3), r"zero \(3\) must be 0, 1 or 2"),
+    (cfg_with(1, train__min_lr=1.0, train__lr=0.1), r"min_lr \(1.0\) must be between 0 and lr"),
+    (cfg_with(1, model__dtype="float16"), r"dtype \('float16'\) must be one of"),
+    (cfg_with(2, model__kind="mlp", parallel__tp=2), r"MLP classifier supports data parallel"),
+    (cfg_with(2, parallel__tp=2, parallel__sequence_parallel=True, model__seq_len=7),
+     r"tp \(2\) to divide seq_len \(7\)"),
+    (cfg_with(1, train__save_interval=-1), r"save_interval \(-1\) must not be negative"),
+    (cfg_with(1, train__keep_checkpoints=0), r"keep_checkpoints \(0\) must be at least 1"),
+])
+def test_each_rule_names_its_values(args, message):
+    cfg, world = args
+    with pytest.raises(C.ConfigError, match=message):
+        cfg.validate(world)
+
+
+def test_to_dict_round_trips():
+    cfg = C.Config(model=C.ModelConfig(hidden=(8, 4)))
+    assert C.from_dict(cfg.to_dict()) == cfg
