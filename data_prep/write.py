@@ -1,0 +1,118 @@
+"""Writers of the three dataset formats; each file appears only once complete.
+
+``progress(total, label)`` is a context manager factory whose object has
+``update(n)``; the CLI passes click progress bars, the default shows nothing.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+
+from data_prep import sources
+from hpctrain.data.format import (
+    IMAGES,
+    RATINGS,
+    TOKENS,
+    VERSIONS,
+    DataError,
+    atomic_h5,
+    check_output,
+    write_array,
+)
+
+
+class _Silent:
+    def update(self, n: int) -> None:
+        pass
+
+
+def no_progress(total: int, label: str):
+    return nullcontext(_Silent())
+
+
+def _header(fmt: str) -> dict:
+    return {"format": fmt, "version": VERSIONS[fmt]}
+
+
+def write_tokens(out: Path, files: list[Path], *, val_fraction: float, compression: str = "none",
+                 force: bool = False, progress=no_progress) -> dict[str, int]:
+    """Byte-level tokens (uint8, vocabulary 256) of ``files``: ``train`` and ``val``.
+
+    Every file gives its first ``1 - val_fraction`` of bytes to ``train`` and its tail
+    to ``val``, so each document is represented in both; files are concatenated in
+    order. Returns the number of tokens in each split.
+    """
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val fraction ({val_fraction}) must be between 0 and 1")
+    check_output(out, force)  # before reading anything
+    train, val = [], []
+    with progress(sum(f.stat().st_size for f in files), "reading text") as bar:
+        for f in files:
+            try:
+                data = f.read_bytes()
+            except OSError as err:
+                raise DataError(f"{f}: cannot be read ({err.strerror})") from None
+            t, v = sources.split_text(data, val_fraction)
+            train.append(t)
+            val.append(v)
+            bar.update(len(data))
+    train_tokens = np.frombuffer(b"".join(train), dtype=np.uint8)
+    val_tokens = np.frombuffer(b"".join(val), dtype=np.uint8)
+    if train_tokens.size == 0 or val_tokens.size == 0:
+        raise DataError(f"the text gives {train_tokens.size} training and {val_tokens.size} "
+                        f"validation tokens; both must be non-empty (more text, or another "
+                        f"--val-fraction)")
+    attrs = _header(TOKENS) | {"vocab_size": 256, "val_fraction": val_fraction,
+                               "sources": [f.name for f in files]}
+    with atomic_h5(out, force=force, attrs=attrs) as h5:
+        with progress(2, "writing") as bar:
+            write_array(h5, "train", train_tokens, compression)
+            bar.update(1)
+            write_array(h5, "val", val_tokens, compression)
+            bar.update(1)
+    return {"train": int(train_tokens.size), "val": int(val_tokens.size)}
+
+
+def write_images(out: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]], *,
+                 classes: tuple[str, ...], compression: str = "none", force: bool = False,
+                 progress=no_progress) -> dict[str, int]:
+    """``<split>/images`` (N, H, W) uint8 and ``<split>/labels`` (N,) uint8 per split."""
+    check_output(out, force)
+    attrs = _header(IMAGES) | {"n_classes": len(classes), "classes": list(classes)}
+    with atomic_h5(out, force=force, attrs=attrs) as h5:
+        with progress(2 * len(splits), "writing") as bar:
+            for split, (images, labels) in splits.items():
+                g = h5.create_group(split)
+                write_array(g, "images", images, compression)
+                bar.update(1)
+                write_array(g, "labels", labels, compression)
+                bar.update(1)
+    return {split: int(images.shape[0]) for split, (images, _) in splits.items()}
+
+
+def write_ratings(out: Path, data: dict, *, compression: str = "none", force: bool = False,
+                  progress=no_progress) -> dict[str, int]:
+    """``ratings/*`` (R,) per rating; ``users/*`` and ``items/*`` features by id.
+
+    Categorical features are codes with a ``categories`` attribute naming them;
+    strings are UTF-8 bytes; ``items/genres`` is (n_items, n_genres) multi-hot.
+    """
+    check_output(out, force)
+    attrs = _header(RATINGS) | {"source": "MovieLens-100K (GroupLens), via RecBole's "
+                                          "atomic files"}
+    groups = ("ratings", "users", "items")
+    with atomic_h5(out, force=force, attrs=attrs) as h5:
+        with progress(sum(len(data[g]) for g in groups), "writing") as bar:
+            for group in groups:
+                g = h5.create_group(group)
+                for name, values in data[group].items():
+                    d = write_array(g, name, values, compression)
+                    if name in data["categories"].get(group, {}):
+                        d.attrs["categories"] = data["categories"][group][name]
+                    if values.dtype.kind == "S":
+                        d.attrs["encoding"] = "utf-8"
+                    bar.update(1)
+    return {group: int(len(next(iter(data[group].values())))) for group in groups}

@@ -1,0 +1,13 @@
+"""HDF5 datasets and the loader each data-parallel rank reads its batches with.
+
+``format`` holds the on-disk formats (names, versions, checks, checksums, atomic
+writes), ``manifest`` the partition manifests and the shard-to-rank assignment,
+``stores`` the readers of token windows and image rows, ``loader`` the batch streams.
+"""
+
+from hpctrain.data.format import DataError
+from hpctrain.data.loader import Loader, eval_batches, open_loader
+from hpctrain.data.manifest import assign_shards, read_manifest
+
+__all__ = ["DataError", "Loader", "assign_shards", "eval_batches", "open_loader",
+           "read_manifest"]
