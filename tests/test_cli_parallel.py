@@ -1,0 +1,74 @@
+"""``hpctrain train --tp 2`` under ``mpiexec -n 2`` gives the loss curve of ``--tp 1``,
+with and without ``--sequence-parallel``, on a tiny byte-level corpus prepared with
+``hpctrain-prep text``."""
+
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hpctrain.testing import run_mpi
+
+CONFIG = textwrap.dedent("""
+    [model]
+    dtype = "float64"
+    vocab_size = 256
+    seq_len = 16
+    n_layer = 2
+    n_head = 4
+    d_model = 32
+
+    [train]
+    steps = 4
+    batch_size = 4
+    warmup_steps = 1
+    eval_interval = 2
+    eval_batches = 2
+    log_interval = 1
+
+    [data]
+    path = "{data}"
+""")
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    from data_prep.cli import main as prep
+
+    folder = tmp_path_factory.mktemp("cli_tp")
+    text = folder / "corpus.txt"
+    text.write_text("".join(f"line {i}: to be, or not to be, that is the question.\n"
+                            for i in range(400)))
+    data = folder / "corpus.h5"
+    result = CliRunner().invoke(prep, ["text", str(text), "-o", str(data), "-q"])
+    assert result.exit_code == 0, result.output
+    cfg = folder / "tiny.toml"
+    cfg.write_text(CONFIG.format(data=data))
+    return cfg
+
+
+def run(config_file, ranks, *flags):
+    run_dir = config_file.parent / "_".join(["run", str(ranks), *flags]).replace("-", "")
+    result = run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
+                             str(config_file), "--run-dir", str(run_dir), "--quiet", *flags],
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return records
+
+
+@pytest.mark.slow
+def test_train_tp_2_matches_tp_1(config_file):
+    serial = run(config_file, 1, "--tp", "1")
+    for flags in (["--tp", "2"], ["--tp", "2", "--sequence-parallel"]):
+        parallel = run(config_file, 2, *flags)
+        for key in ("loss", "val_loss"):
+            want = [r[key] for r in serial if key in r]
+            got = [r[key] for r in parallel if key in r]
+            assert len(got) == len(want) > 0
+            np.testing.assert_allclose(got, want, rtol=1e-8, err_msg=f"{key} {flags}")
+        assert all(r["tp_comm_bytes"] > 0 for r in parallel if "loss" in r)
+        assert ("sp_activation_bytes_saved" in parallel[-1]) == ("--sequence-parallel" in flags)
