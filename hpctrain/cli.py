@@ -1,0 +1,120 @@
+"""``hpctrain``: the command line, a thin adapter from options to ``hpctrain.train``.
+
+Every rank parses the same options and validates the same config before the first
+collective, so a bad value fails alike everywhere and is reported once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from hpctrain import __version__
+from hpctrain.ckpt_cli import ckpt
+from hpctrain.slurm.cli import slurm
+
+# option name -> dotted config field it overrides
+OVERRIDES = {
+    "dp": "parallel.dp",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "microbatches": "parallel.microbatches",
+    "schedule": "parallel.schedule",
+    "virtual_stages": "parallel.virtual_stages",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "zero": "parallel.zero",
+    "bucket_mb": "parallel.bucket_mb",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "run_dir": "train.run_dir",
+    "save_interval": "train.save_interval",
+    "keep": "train.keep_checkpoints",
+}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpctrain")
+def main() -> None:
+    """MPI-parallel training of NumPy models.
+
+    \b
+    Examples:
+      hpctrain train --config configs/gpt-shakespeare.toml
+      mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --tp 2
+      hpctrain ckpt verify runs/gpt-shakespeare
+    """
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="TOML file with [model], [parallel], [train] and [data] sections.")
+@click.option("--dp", type=int, help="Data-parallel size (default: ranks // (tp * pp)).")
+@click.option("--tp", type=int, help="Tensor-parallel size.")
+@click.option("--pp", type=int, help="Pipeline-parallel size (stages).")
+@click.option("--microbatches", type=int, help="Microbatches per step and data-parallel rank.")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved"]),
+              help="Pipeline schedule.")
+@click.option("--virtual-stages", type=int,
+              help="Model chunks per pipeline rank (interleaved schedule).")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
+              help="Shard LayerNorm and residual activations along the sequence (tp > 1).")
+@click.option("--zero", type=int,
+              help="ZeRO stage: 0 plain data parallelism, 1 shard the optimizer state over "
+                   "the data group, 2 shard the gradients too.")
+@click.option("--bucket-mb", type=float,
+              help="Gradient bucket size in MiB: each bucket is reduced as soon as backward "
+                   "has finished it.")
+@click.option("--steps", type=int, help="Optimizer steps to run.")
+@click.option("--seed", type=int, help="Seed for initialisation and data order.")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Folder for metrics.jsonl and config.json.")
+@click.option("--save-interval", type=int,
+              help="Save a checkpoint every N steps and at the last one (0: never).")
+@click.option("--keep", type=int, help="Complete checkpoints to keep (the newest).")
+@click.option("--resume", metavar="auto|PATH",
+              help="Continue from a checkpoint: 'auto' is RUN_DIR/checkpoints/latest (or a "
+                   "fresh start if there is none); PATH a run, checkpoints or step folder, "
+                   "or a consolidated file. Any parallel layout loads it.")
+@click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+def train(config_path: str, quiet: bool, resume: str | None, **options) -> None:
+    """Train a model on every rank of the MPI job.
+
+    On SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved and the
+    command exits with status 3 (the SLURM template then requeues the job).
+
+    \b
+    Examples:
+      hpctrain train --config configs/gpt-shakespeare.toml --steps 50
+      mpiexec -n 2 hpctrain train --config configs/mlp-fashion-mnist.toml
+      mpiexec -n 8 hpctrain train --config configs/gpt-shakespeare.toml --tp 2 --pp 2
+      mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --zero 1
+      hpctrain train --config configs/gpt-shakespeare.toml --save-interval 50 --keep 2
+      mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --resume auto
+    """
+    from hpctrain import preempt
+
+    preempt.install()  # first: SLURM may signal a job that is still starting
+    from mpi4py import MPI
+
+    from hpctrain import config as config_mod
+    from hpctrain.runtime import abort_on_error, startup_check
+
+    comm = MPI.COMM_WORLD
+    overrides = {OVERRIDES[k]: v for k, v in options.items() if v is not None}
+    with abort_on_error(comm):
+        cfg = startup_check(
+            comm, lambda: config_mod.load(config_path, overrides).validate(comm.Get_size()))
+        from hpctrain.train import train as run_training
+
+        summary = run_training(cfg, comm, quiet=quiet, resume=resume)
+    if summary.preempted:
+        sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
+
+
+main.add_command(ckpt)
+main.add_command(slurm)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The training loop: one optimizer step = forward and backward over the microbatches
+of this rank's part of the global batch, gradient averaging over the data group
+(bucketed and overlapped with backward, optionally ZeRO-sharded), clipping by the
+global gradient norm, and the update.
+
+``train(cfg, comm)`` is what ``hpctrain train`` runs on every rank. It is a plain
+function of a validated config and a communicator, so tests call it directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpctrain import preempt
+from hpctrain.checkpoint.state import schedule_of
+from hpctrain.config import Config
+from hpctrain.data import eval_batches, open_loader
+from hpctrain.metrics import MetricsWriter, progress_line
+from hpctrain.optim import schedule
+from hpctrain.optim.optimizers import SGD, AdamW
+from hpctrain.parallel.data import DataParallel
+from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.topology import Topology
+from hpctrain.runtime import set_blas_threads, startup_check
+from hpctrain.slurm.placement import blas_threads_per_rank, node_layout, tensor_group_warning
+
+
+@dataclass
+class Summary:
+    """What a finished run reports back (tests compare these across layouts)."""
+
+    losses: list[float]
+    val_losses: list[float]
+    val_accuracy: float | None
+    seconds: float
+    preempted: bool = False  # stopped early by a signal, after saving a checkpoint
+
+
+def make_optimizer(cfg: Config, named_params, decay=None):
+    """The configured optimizer over ``named_params``; ``decay``: per-entry weight-decay
+    flags, for flat slices of parameters (default: ``ndim >= 2``)."""
+    t = cfg.train
+    if t.optimizer == "adamw":
+        return AdamW(named_params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                     weight_decay=t.weight_decay, decay=decay)
+    return SGD(named_params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+               decay=decay)
+
+
+def make_data_parallel(cfg: Config, engine, topo: Topology):
+    """Gradient synchronisation and optimizer for ``cfg.parallel.zero``: stage 0 is
+    ``DataParallel``, stages 1 and 2 ``ZeroDataParallel`` (collective over the model
+    group at construction for ZeRO)."""
+    par = cfg.parallel
+    if par.zero == 0:
+        return DataParallel(engine, make_optimizer(cfg, engine.named_params), topo.dp_comm,
+                            bucket_mb=par.bucket_mb)
+    from hpctrain.parallel.zero import ZeroDataParallel
+
+    return ZeroDataParallel(engine, topo, stage=par.zero, bucket_mb=par.bucket_mb,
+                            make_optimizer=functools.partial(make_optimizer, cfg))
+
+
+def train_step(engine, dp, x, y, *, lr: float, grad_clip: float) -> tuple[float, float]:
+    """One optimizer step on this rank's batch; returns (mean loss over dp, grad norm).
+
+    ``dp`` is ``make_data_parallel``'s. Collective over the data group, and over the
+    model group inside the engine and the norm.
+    """
+    dp.zero_grad()
+    # the gradient of loss / dp: summed over the data group it is the global mean's
+    loss = engine.forward_backward(x, y, scale=1.0 / dp.dp_size)
+    dp.finish_grads()
+    norm = dp.grad_norm()
+    if grad_clip > 0:
+        dp.clip(grad_clip, norm)
+    dp.step(lr)
+    return mean_over(dp.dp_comm, loss), norm
+
+
+def mean_over(comm, value: float) -> float:
+    """Mean of a scalar over ``comm`` (collective)."""
+    if comm.Get_size() == 1:
+        return float(value)
+    return comm.allreduce(float(value)) / comm.Get_size()
+
+
+def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, float | None]:
+    """Mean validation loss (and accuracy for a classifier) over fixed batches."""
+    losses, correct, seen = [], 0, 0
+    for x, y in batches:
+        losses.append(engine.loss(x, y))
+        if cfg.model.kind == "mlp":
+            correct += int((engine.predict(x) == y).sum())
+            seen += len(y)
+    val_loss = mean_over(dp_comm, float(np.mean(losses)))
+    if cfg.model.kind != "mlp":
+        return val_loss, None
+    if dp_comm.Get_size() > 1:
+        correct, seen = dp_comm.allreduce(correct), dp_comm.allreduce(seen)
+    return val_loss, correct / seen
+
+
+def _tokens_per_sample(cfg: Config) -> int:
+    return cfg.model.seq_len if cfg.model.kind == "gpt" else 1
+
+
+def _open_data(cfg: Config, topo: Topology):
+    seq_len = cfg.model.seq_len if cfg.model.kind == "gpt" else None
+    common = dict(batch_size=cfg.train.batch_size, dp_rank=topo.dp_rank,
+                  dp_size=topo.dp_size, seq_len=seq_len)
+    loader = open_loader(cfg.data.path, split="train", seed=cfg.train.seed,
+                         prefetch=cfg.data.prefetch, **common)
+    val = None
+    if cfg.train.eval_interval > 0 or cfg.train.steps == 0:
+        val = list(eval_batches(cfg.data.path, split=cfg.data.eval_split,
+                                num_batches=cfg.train.eval_batches, **common))
+    return loader, val
+
+
+def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader):
+    """Load the checkpoint ``--resume`` names into the run (collective), or None."""
+    from hpctrain.checkpoint import find_resume, load_training
+
+    path = find_resume(resume, cfg.train.run_dir) if resume else None
+    if path is None:
+        return None
+    return load_training(path, cfg, topo, engine, dp, loader=loader)
+
+
+def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dict,
+          writer) -> None:
+    """Checkpoint after ``step`` (collective); rank 0 says where and how long."""
+    from hpctrain.checkpoint import save_training
+
+    t0 = time.perf_counter()
+    path = save_training(cfg, topo, engine, dp, step=step, loader_state=loader.state_dict(),
+                         schedule=sched)
+    if writer is not None:
+        writer.say(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
+
+
+def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = None) -> Summary:
+    """Train on every rank of ``comm`` with a config already validated for its size.
+
+    ``resume``: "auto" (the run's latest checkpoint, if any) or a checkpoint path; the
+    run then continues after the saved step, with the saved learning-rate schedule.
+    """
+    topo = Topology.build(comm, cfg.parallel)
+    nodes = node_layout(comm, topo.tp_comm)
+    threads = set_blas_threads(cfg.train.blas_threads
+                               or blas_threads_per_rank(nodes.ranks_on_node))
+    loader, val = startup_check(comm, lambda: _open_data(cfg, topo))
+
+    engine = build_engine(cfg, topo)
+    params = engine.params
+    dp = make_data_parallel(cfg, engine, topo)
+    t = cfg.train
+    sched = schedule_of(cfg)  # lr_at's keyword arguments; a resumed run keeps its own
+    resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
+    first = 1 if resumed is None else resumed.step + 1
+    if resumed is not None:
+        sched = resumed.schedule
+
+    writer = None
+    if comm.Get_rank() == 0:
+        writer = MetricsWriter(t.run_dir, resume_after=None if resumed is None
+                               else resumed.step)
+        (Path(t.run_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if not quiet:
+            writer.say(f"hpctrain: {comm.Get_size()} rank(s), dp={topo.dp_size} "
+                       f"tp={topo.tp_size} pp={topo.pp_size}, {threads} BLAS thread(s)/rank, "
+                       f"{cfg.model.kind} shard of {sum(p.data.size for p in params):,} "
+                       f"parameters on rank 0")
+            mem = dp.memory()
+            writer.say(f"memory on rank 0 (zero {cfg.parallel.zero}): parameters "
+                       f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
+                       f"{mem['grad_bytes'] / 2**20:.1f} MiB, optimizer state "
+                       f"{mem['optim_bytes'] / 2**20:.1f} MiB")
+            warning = tensor_group_warning(nodes, topo.tp_size)
+            if warning:
+                writer.say(warning)
+            if resumed is not None:
+                kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
+                writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
+
+    losses, val_losses, accuracy = [], [], None
+    tokens_per_step = t.batch_size * _tokens_per_sample(cfg)
+    if val is not None and resumed is None:
+        val_loss, accuracy = evaluate(cfg, engine, val, topo.dp_comm)
+        val_losses.append(val_loss)
+        if writer is not None:
+            writer.write({"step": 0, "val_loss": val_loss} |
+                         ({} if accuracy is None else {"val_accuracy": accuracy}))
+            if not quiet:
+                writer.say(f"step 0/{t.steps} | val {val_loss:.4f}")
+    start = time.perf_counter()
+    preempted = False
+    for step in range(first, t.steps + 1):
+        t0 = time.perf_counter()
+        lr = schedule.lr_at(step - 1, **sched)
+        x, y = loader.next_batch()
+        loss, norm = train_step(engine, dp, x, y, lr=lr, grad_clip=t.grad_clip)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                  **engine.metrics(), **dp.metrics()}
+        if val is not None and (step % t.eval_interval == 0 or step == t.steps):
+            record["val_loss"], accuracy = evaluate(cfg, engine, val, topo.dp_comm)
+            val_losses.append(record["val_loss"])
+            if accuracy is not None:
+                record["val_accuracy"] = accuracy
+        if writer is not None:
+            writer.write(record)
+            if not quiet and (step % t.log_interval == 0 or step == 1 or "val_loss" in record):
+                writer.say(progress_line(record, t.steps))
+        saved = bool(t.save_interval) and (step % t.save_interval == 0 or step == t.steps)
+        if saved:
+            _save(cfg, topo, engine, dp, loader, step, sched, None if quiet else writer)
+        if preempt.agreed(comm) and step < t.steps:
+            if not saved:
+                _save(cfg, topo, engine, dp, loader, step, sched, writer)
+            if writer is not None:
+                writer.say(f"preempted ({preempt.signal_name() or 'signal on another rank'}) "
+                           f"after step {step}: checkpoint saved; resume with --resume auto")
+            preempted = True
+            break
+    seconds = time.perf_counter() - start
+    loader.close()
+    if writer is not None:
+        if not quiet:
+            writer.say(f"done: {t.steps} steps in {seconds:.1f} s; metrics in {writer.path}")
+        writer.close()
+    topo.free()
+    return Summary(losses, val_losses, accuracy, seconds, preempted)
