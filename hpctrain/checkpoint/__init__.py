@@ -1,0 +1,14 @@
+"""Checkpoints: sharded HDF5, atomic, checksummed, loadable at any parallel layout.
+
+``format`` names the files and the index, ``reshard`` holds the slice maths (which
+box of each global tensor a rank holds), ``state`` what a rank holds of the
+training state, ``writer`` and ``reader`` the two directions, ``consolidate`` the
+single-file form, ``training`` the calls ``hpctrain.train`` makes.
+"""
+
+from hpctrain.checkpoint.format import CheckpointError
+from hpctrain.checkpoint.reader import Checkpoint, verify
+from hpctrain.checkpoint.training import find_resume, load_training, save_training
+
+__all__ = ["Checkpoint", "CheckpointError", "find_resume", "load_training", "save_training",
+           "verify"]

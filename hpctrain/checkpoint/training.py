@@ -1,0 +1,123 @@
+"""Saving and resuming a training run: the engine, its optimizer, the data position.
+
+``save_training`` and ``load_training`` are what ``hpctrain.train`` calls; both are
+collective over ``topo.world_comm``. A checkpoint saved at one (dp, tp, pp, zero)
+layout loads at any other: each rank reads the part of every global tensor its own
+layout gives it (``reshard``). ``load_training`` checks, on every rank, that each
+tensor of the model is in the checkpoint with the same global shape and dtype, and
+then, together, that the checkpoint holds nothing the model lacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpctrain.checkpoint import writer
+from hpctrain.checkpoint.format import CheckpointError, latest_checkpoint, resolve
+from hpctrain.checkpoint.reader import Checkpoint
+from hpctrain.checkpoint.state import (
+    held_tensors,
+    layout_of,
+    optimizer_step,
+    restore_rng,
+    rng_states,
+    schedule_of,
+    set_optimizer_step,
+)
+
+CHECKPOINTS = "checkpoints"  # the folder under the run folder
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def find_resume(resume: str, run_dir: str | Path) -> Path | None:
+    """The index to resume from: ``"auto"`` is the run's ``latest`` (None: there is
+    none yet, start afresh); anything else a checkpoint path (``format.resolve``)."""
+    if resume == "auto":
+        latest = latest_checkpoint(checkpoint_root(run_dir))
+        return None if latest is None else resolve(latest)
+    return resolve(resume)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a run continues from."""
+
+    path: Path
+    step: int
+    schedule: dict  # optim.schedule.lr_at's keyword arguments
+    meta: dict
+
+
+def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
+                  loader_state: dict | None, schedule: dict | None = None,
+                  generators: dict | None = None, root: str | Path | None = None,
+                  on_event=None) -> Path:
+    """Checkpoint the run after ``step`` optimizer steps (collective over the world)."""
+    comm = topo.world_comm
+    held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
+    t = optimizer_step(dp)
+    if comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        t = comm.allreduce(t, op=MPI.MAX)  # a ZeRO rank owning only padding has none
+    meta = {"config": cfg.to_dict(), "layout": layout_of(cfg, comm.Get_size()),
+            "loader": loader_state, "schedule": schedule or schedule_of(cfg),
+            "rng": {"init_seed": cfg.train.seed, "generators": rng_states(generators or {})},
+            "optimizer": {"kind": cfg.train.optimizer, "t": t}}
+    root = checkpoint_root(cfg.train.run_dir) if root is None else Path(root)
+    return writer.save(root, step, held, meta, comm, stage=topo.pp_rank,
+                       keep=cfg.train.keep_checkpoints, on_event=on_event)
+
+
+def config_hint(saved: dict, cfg: Any) -> str:
+    """``"; the model config differs: n_layer 2 (checkpoint) vs 4 (config)"``, or ''."""
+    mine = cfg.to_dict()["model"]
+    diff = [f"{k} {saved.get('model', {}).get(k)!r} (checkpoint) vs {v!r} (config)"
+            for k, v in mine.items() if saved.get("model", {}).get(k) != v]
+    return f"; the model config differs: {', '.join(diff)}" if diff else ""
+
+
+def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
+                generators: dict) -> tuple[int, dict, dict, list[str]]:
+    with Checkpoint(path) as ckpt:
+        meta = ckpt.meta
+        saved = (meta.get("optimizer") or {}).get("kind")
+        if saved != cfg.train.optimizer:
+            raise CheckpointError(f"{ckpt.index.path}: holds {saved} state, the config "
+                                  f"trains with {cfg.train.optimizer}")
+        hint = config_hint(meta.get("config") or {}, cfg)
+        for h in held:
+            ckpt.read_into(h.name, h.array, h.sharding, hint)
+        set_optimizer_step(dp, meta["optimizer"]["t"])
+        restore_rng(generators, meta["rng"]["generators"])
+        if loader is not None:
+            if meta.get("loader") is None:
+                raise CheckpointError(f"{ckpt.index.path}: holds no data loader position")
+            loader.load_state_dict(meta["loader"])
+        return ckpt.step, meta, dict(meta["schedule"]), sorted(ckpt.tensors)
+
+
+def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *,
+                  loader: Any = None, generators: dict | None = None) -> Resumed:
+    """Load a checkpoint into this rank's engine, optimizer and loader, whatever layout
+    saved it (collective over the world); every rank fails alike."""
+    comm = topo.world_comm
+    path = resolve(path)
+    held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
+    step, meta, sched, stored = writer.all_ranks(
+        comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}),
+        f"loading {path}")
+    names = {h.name for h in held}
+    if comm.Get_size() > 1:
+        names = set().union(*comm.allgather(sorted(names)))
+    extra = [name for name in stored if name not in names]
+    if extra:
+        raise CheckpointError(f"{path}: holds {len(extra)} tensor(s) the model built from "
+                              f"the config lacks, e.g. {extra[0]}"
+                              f"{config_hint(meta.get('config') or {}, cfg)}")
+    return Resumed(path, step, sched, meta)

@@ -1,0 +1,491 @@
+"""Checkpoints without mpiexec: the slice maths, the format, checksums and corruption
+(every error names the file and the tensor), pruning, the CLI, and resuming through
+``hpctrain train --resume`` (those run small mpiexec jobs)."""
+
+import itertools
+import json
+import pickle
+import shutil
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mpi4py import MPI
+
+from hpctrain.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_training,
+    save_training,
+    verify,
+    writer,
+)
+from hpctrain.checkpoint import format as fmt
+from hpctrain.checkpoint.consolidate import consolidate, expand
+from hpctrain.checkpoint.reshard import (
+    Sharding,
+    box_volume,
+    extract,
+    flat_runs,
+    full_box,
+    place,
+    segments,
+    slices,
+    tiles,
+)
+from hpctrain.checkpoint.state import held_tensors, restore_rng, rng_states
+from hpctrain.cli import main
+from hpctrain.config import Config, ModelConfig, TrainConfig
+from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.shards import take_shard
+from hpctrain.parallel.topology import Topology
+from hpctrain.testing import run_mpi
+from hpctrain.train import make_data_parallel, train_step
+
+MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, dtype="float64")
+
+# ---------------------------------------------------------------------------------
+# the slice maths
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), ()])
+def test_flat_runs_cover_the_range_in_order(shape):
+    n = int(np.prod(shape))
+    full = np.arange(n).reshape(shape)
+    for lo, hi in itertools.combinations(range(n + 1), 2):
+        runs = flat_runs(shape, lo, hi)
+        got = np.concatenate([full[slices(box)].reshape(-1) for _, box in runs])
+        assert got.tolist() == list(range(lo, hi))
+        assert [off for off, _ in runs] == list(np.cumsum([0] + [box_volume(b) for _, b
+                                                                 in runs])[:-1])
+        assert len(runs) <= max(1, 2 * len(shape) - 1)
+
+
+@pytest.mark.parametrize("shape, axis, blocks, tp", [
+    ((4, 12), 1, 3, 2),  # qkv: [q | k | v] split head by head
+    ((4, 12), 1, 1, 4),  # column parallel
+    ((8, 4), 0, 1, 2),  # row parallel, vocabulary embedding
+    ((6,), 0, 3, 2),  # the qkv bias
+    ((4, 6), None, 1, 2),  # replicated
+])
+def test_segments_are_the_global_boxes_of_every_shard_and_zero_slice(shape, axis, blocks, tp):
+    full = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+    for rank in range(tp):
+        local = take_shard(full, axis, rank, tp if axis is not None else 1, blocks)
+        size = local.size
+        for cuts in ([0, size], [0, size // 2, size], [0, 1, size - 1, size]):  # ZeRO
+            boxes = []
+            for lo, hi in itertools.pairwise(cuts):
+                sh = Sharding(shape, axis, blocks, rank, tp if axis is not None else 1,
+                              None if cuts == [0, size] else (lo, hi))
+                held = local.copy() if sh.flat is None else local.reshape(-1)[lo:hi].copy()
+                assert held.shape == sh.shape
+                back = np.zeros_like(held)
+                for seg in segments(sh):
+                    np.testing.assert_array_equal(extract(held, seg), full[slices(seg.box)])
+                    place(back, seg, full[slices(seg.box)])
+                    boxes.append(seg.box)
+                np.testing.assert_array_equal(back, held)
+            mine = take_shard(np.ones(shape), axis, rank, tp if axis is not None else 1,
+                              blocks)
+            assert sum(box_volume(b) for b in boxes) == mine.size
+
+
+def test_every_rank_together_tiles_the_tensor_once():
+    shape = (4, 12)
+    boxes = [seg.box for r in range(2) for seg in segments(Sharding(shape, 1, 3, r, 2))]
+    assert tiles(boxes, shape) is None
+    assert "overlap" in tiles(boxes + boxes[:1], shape)
+    assert "missing" in tiles(boxes[1:], shape)
+    assert "outside" in tiles([((0, 5), (0, 12))], shape)
+
+
+def test_a_piece_held_by_replicas_is_written_once_spread_over_them():
+    box, other = ((0, 4),), ((4, 8),)
+    everyone = [(0, [("a", box, 100), ("b", box, 10)]),  # dp replicas of one stage
+                (0, [("a", box, 100), ("b", box, 10)]),
+                (1, [("b", other, 10), ("b", box, 10)])]  # a later stage's copy of b
+    mine = writer.plan_writers(everyone)
+    assert mine[0] | mine[1] == {("a", box), ("b", box)} and not mine[0] & mine[1]
+    assert mine[0] and mine[1]  # both replicas write
+    assert mine[2] == set()  # tensor b comes from its first stage only
+
+
+# ---------------------------------------------------------------------------------
+# a serial run to save
+
+
+def make_cfg(tmp_path, **model) -> Config:
+    return Config(model=replace(MODEL, **model),
+                  train=TrainConfig(batch_size=4, steps=4, warmup_steps=1,
+                                    run_dir=str(tmp_path / "run"))).validate(1)
+
+
+class Serial:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.topo = Topology.build(MPI.COMM_SELF, cfg.parallel)
+        self.engine = build_engine(cfg, self.topo)
+        self.dp = make_data_parallel(cfg, self.engine, self.topo)
+
+    def train(self, steps):
+        r = np.random.default_rng(1)
+        for _ in range(steps):
+            x, y = (r.integers(0, MODEL.vocab_size, (4, MODEL.seq_len)) for _ in range(2))
+            train_step(self.engine, self.dp, x, y, lr=1e-2, grad_clip=1.0)
+        return self
+
+    def held(self):
+        return {h.name: h.array.copy() for h in held_tensors(self.engine, self.dp, 0, 1)}
+
+    def save(self, step, **kw):
+        return save_training(self.cfg, self.topo, self.engine, self.dp, step=step,
+                             loader_state={"step": step}, **kw)
+
+    def load(self, path, **kw):
+        return load_training(path, self.cfg, self.topo, self.engine, self.dp, **kw)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A serial run saved after 2 steps: (config, folder, held arrays)."""
+    cfg = make_cfg(tmp_path)
+    run = Serial(cfg).train(2)
+    return cfg, run.save(2), run.held()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_files_carry_format_and_version_and_load_bitwise(saved):
+    cfg, path, held = saved
+    with h5py.File(path / fmt.INDEX_NAME) as f:
+        assert (f.attrs["format"], f.attrs["version"]) == (fmt.CHECKPOINT, fmt.VERSION)
+        assert json.loads(f.attrs["config"]) == cfg.to_dict()
+    with h5py.File(path / fmt.data_filename(0)) as f:
+        assert (f.attrs["format"], f.attrs["version"]) == (fmt.DATA, fmt.VERSION)
+        dset = f["model/embed.wte.weight/0:32,0:16"]
+        assert list(dset.attrs["global_shape"]) == [32, 16]
+    fresh = Serial(cfg)
+    resumed = fresh.load(path.parent)  # the checkpoints folder: its latest
+    assert resumed.step == 2 and fresh.dp.optimizer.t == 2 and same(fresh.held(), held)
+    assert (path.parent / fmt.LATEST_NAME).read_text().strip() == path.name
+
+
+def test_keep_prunes_old_checkpoints_and_interrupted_saves(tmp_path):
+    cfg = make_cfg(tmp_path)
+    cfg = replace(cfg, train=replace(cfg.train, keep_checkpoints=2))
+    run = Serial(cfg)
+    root = Path(cfg.train.run_dir) / "checkpoints"
+    for step in (1, 2):
+        run.save(step)
+    (root / "step-000009.tmp").mkdir()  # a save that was killed
+    run.save(3)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002", "step-000003"]
+
+
+def test_random_generator_states_round_trip_as_json(tmp_path):
+    cfg = make_cfg(tmp_path)
+    run = Serial(cfg)
+    g = np.random.default_rng(7)
+    g.standard_normal(3)
+    assert json.loads(json.dumps(rng_states({"g": g}))) == rng_states({"g": g})
+    path = run.save(1, generators={"dropout": g})
+    want = g.standard_normal(4)
+    h = np.random.default_rng(0)
+    Serial(cfg).load(path, generators={"dropout": h})
+    np.testing.assert_array_equal(h.standard_normal(4), want)
+    with pytest.raises(CheckpointError, match="no state for random generator 'other'"):
+        restore_rng({"other": h}, rng_states({"g": g}))
+
+
+def flip_byte_of(path: Path, dataset: str, at: int = 3) -> None:
+    """Corrupt one byte inside a dataset's data (contiguous storage)."""
+    with h5py.File(path) as f:
+        offset = f[dataset].id.get_offset()
+    with path.open("r+b") as fh:
+        fh.seek(offset + at)
+        byte = fh.read(1)
+        fh.seek(offset + at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_one_corrupt_byte_names_the_file_and_the_tensor(saved):
+    cfg, path, _ = saved
+    data = path / fmt.data_filename(0)
+    flip_byte_of(data, "optim/v/blocks.1.mlp.fc.weight/0:16,0:64")
+    _, problems = verify(path)
+    assert len(problems) == 1
+    assert str(data) in problems[0] and "optim/v/blocks.1.mlp.fc.weight" in problems[0]
+    assert "sha256 mismatch" in problems[0]
+    with pytest.raises(CheckpointError, match=r"rank-00000.h5: tensor optim/v/blocks.1.mlp"):
+        Serial(cfg).load(path)
+    result = CliRunner().invoke(main, ["ckpt", "verify", str(path)])
+    assert result.exit_code == 2 and "optim/v/blocks.1.mlp.fc.weight" in result.output
+
+
+def test_a_missing_file_or_piece_is_an_error_never_zeros(saved):
+    cfg, path, _ = saved
+    with h5py.File(path / fmt.INDEX_NAME) as f:
+        text = json.loads(f["tensors"][...].tobytes())
+    index = fmt.read_index(path / fmt.INDEX_NAME)
+    entries = [fmt.TensorEntry.from_json(d) for d in text]
+    entries[3] = replace(entries[3], pieces=())  # the index lost a piece
+    broken = path.parent / "broken"
+    shutil.copytree(path, broken)
+    (broken / fmt.INDEX_NAME).unlink()
+    with h5py.File(broken / fmt.INDEX_NAME, "w-") as f:
+        fmt.write_index(f, step=2, meta=index.meta, files=index.files, tensors=entries)
+    with pytest.raises(CheckpointError, match=rf"tensor {entries[3].name}: .*a piece is missing"):
+        Checkpoint(broken)
+    (path / fmt.data_filename(0)).unlink()
+    with pytest.raises(CheckpointError, match=r"rank-00000.h5: missing; .* tensor model/embed"):
+        Serial(cfg).load(path)
+
+
+def test_a_truncated_file_is_named(saved):
+    cfg, path, _ = saved
+    data = path / fmt.data_filename(0)
+    data.write_bytes(data.read_bytes()[:4096])
+    with pytest.raises(CheckpointError, match=r"rank-00000.h5: cannot be read as HDF5"):
+        Serial(cfg).load(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"d_ff": 32}, r"tensor model/blocks.0.mlp.fc.weight has global shape \(16, 64\), the "
+                   r"model built from the config has \(16, 32\).*d_ff 0 \(checkpoint\) vs 32"),
+    ({"n_layer": 1}, r"holds 36 tensor\(s\) the model built from the config lacks, e.g. "
+                     r"model/blocks.1"),
+    ({"n_layer": 3}, r"has no tensor model/blocks.2.ln1.weight"),
+    ({"dtype": "float32"}, r"tensor model/embed.wte.weight is float64, the model is float32"),
+])
+def test_a_model_that_does_not_fit_names_the_tensor(saved, tmp_path, change, message):
+    _, path, _ = saved
+    with pytest.raises(CheckpointError, match=message):
+        Serial(make_cfg(tmp_path, **change)).load(path)
+
+
+def test_another_optimizer_is_refused(saved, tmp_path):
+    _, path, _ = saved
+    cfg = make_cfg(tmp_path)
+    cfg = replace(cfg, train=replace(cfg.train, optimizer="sgd"))
+    with pytest.raises(CheckpointError, match="holds adamw state, the config trains with sgd"):
+        Serial(cfg).load(path)
+
+
+def test_consolidated_file_and_back_load_bitwise(saved, tmp_path):
+    cfg, path, held = saved
+    single = consolidate(path, tmp_path / "one.h5")
+    with h5py.File(single) as f:
+        assert f["data/model/blocks.0.attn.qkv.weight"].shape == (16, 48)
+    folder = expand(single, tmp_path / "again", files=3)
+    assert len(list(folder.glob("rank-*.h5"))) == 3
+    for source in (single, tmp_path / "again"):
+        run = Serial(cfg)
+        run.load(source)
+        assert same(run.held(), held), source
+
+
+def test_the_parallel_hdf5_layout_reads_the_same(saved, tmp_path, monkeypatch):
+    """The shared-file writer with the driver arguments dropped (h5py here has no MPI):
+    each tensor one dataset of its global shape; the reader takes the same pieces."""
+    cfg, _, held = saved
+    run = Serial(cfg).train(2)
+    real = h5py.File
+    monkeypatch.setattr(writer.h5py, "File",
+                        lambda *a, driver=None, comm=None, **kw: real(*a, **kw))
+    items = held_tensors(run.engine, run.dp, 0, 1)
+    info = writer._describe(items)[1]
+    root = tmp_path / "shared"
+    tmp = writer.prepare(root, 2)
+    mine = {(h.name, seg.box) for h in items for seg in segments(h.sharding)}
+    pieces = writer._write_shared(tmp / fmt.SHARED_NAME, items, mine, info, 2, MPI.COMM_SELF,
+                                  None)
+    entries = writer._index_entries([pieces], [info])
+    index = fmt.read_index(saved[1] / fmt.INDEX_NAME)
+    writer.commit(root, tmp, 2, index.meta, [fmt.SHARED_NAME], entries, keep=1)
+    monkeypatch.undo()
+    fresh = Serial(cfg)
+    fresh.load(root)
+    assert same(fresh.held(), run.held()) and not verify(root)[1]
+
+
+def test_reading_never_unpickles(saved, monkeypatch, tokens_h5):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used while reading")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    cfg, path, _ = saved
+    Serial(cfg).load(path)
+    assert not verify(path)[1]
+    from hpctrain.data import open_loader
+
+    with open_loader(tokens_h5, batch_size=2, seed=0, seq_len=8) as loader:
+        loader.next_batch()
+    root = Path(__file__).parent.parent / "hpctrain"
+    for source in list((root / "checkpoint").glob("*.py")) + list((root / "data").glob("*.py")):
+        text = source.read_text()
+        for call in ("import pickle", "pickle.load", "allow_pickle=True", "np.load("):
+            assert call not in text, f"{source}: {call}"
+
+
+def test_resolve_refuses_an_unfinished_save(saved):
+    _, path, _ = saved
+    unfinished = path.parent / "step-000003.tmp"
+    unfinished.mkdir()
+    with pytest.raises(CheckpointError, match="an unfinished save"):
+        Checkpoint(unfinished)
+    (path.parent / fmt.LATEST_NAME).write_text("step-000007\n")
+    with pytest.raises(CheckpointError, match="names 'step-000007', which is not a complete"):
+        Checkpoint(path.parent)
+
+
+# ---------------------------------------------------------------------------------
+# the CLI
+
+
+def test_ckpt_commands_inspect_verify_convert(saved, tmp_path):
+    _, path, _ = saved
+    runner = CliRunner()
+    result = runner.invoke(main, ["ckpt", "inspect", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "step 2, 87 tensors" in result.output and "model/blocks.1.attn.qkv.weight" in \
+        result.output
+    result = runner.invoke(main, ["ckpt", "inspect", str(path), "--json"])
+    assert json.loads(result.output)["optimizer"] == {"kind": "adamw", "t": 2}
+    result = runner.invoke(main, ["ckpt", "verify", str(path)])
+    assert result.exit_code == 0 and result.output.startswith("ok:")
+    single = tmp_path / "single.h5"
+    assert runner.invoke(main, ["ckpt", "convert", str(path), "-o", str(single)]).exit_code == 0
+    result = runner.invoke(main, ["ckpt", "convert", str(single), "-o", str(tmp_path / "back"),
+                                  "--files", "2"])
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(main, ["ckpt", "verify", str(tmp_path / "back")]).exit_code == 0
+    result = runner.invoke(main, ["ckpt", "verify", str(tmp_path)])
+    assert result.exit_code == 2 and "holds no checkpoint" in result.output
+
+
+@pytest.mark.parametrize("command", ["ckpt", "ckpt inspect", "ckpt verify", "ckpt convert",
+                                     "train"])
+def test_every_command_documents_itself_with_examples(command):
+    result = CliRunner().invoke(main, [*command.split(), "--help"])
+    assert result.exit_code == 0 and "Examples:" in result.output
+    if command == "train":
+        for option in ("--resume", "--save-interval", "--keep"):
+            assert option in result.output
+
+
+# ---------------------------------------------------------------------------------
+# hpctrain train --resume, through mpiexec
+
+CONFIG = textwrap.dedent("""
+    [model]
+    dtype = "float64"
+    vocab_size = 256
+    seq_len = 16
+    n_layer = 2
+    n_head = 2
+    d_model = 16
+
+    [parallel]
+    bucket_mb = 0.01
+
+    [train]
+    steps = 6
+    batch_size = 4
+    warmup_steps = 1
+    eval_interval = 0
+    log_interval = 1
+    save_interval = 3
+
+    [data]
+    path = "{data}"
+""")
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    from data_prep.cli import main as prep
+
+    folder = tmp_path_factory.mktemp("ckpt_cli")
+    text = folder / "corpus.txt"
+    text.write_text("".join(f"line {i}: the quality of mercy is not strained.\n"
+                            for i in range(300)))
+    data = folder / "corpus.h5"
+    result = CliRunner().invoke(prep, ["text", str(text), "-o", str(data), "-q"])
+    assert result.exit_code == 0, result.output
+    cfg = folder / "tiny.toml"
+    cfg.write_text(CONFIG.format(data=data))
+    return cfg
+
+
+def train_cli(config_file, ranks, run_dir, *flags):
+    result = run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
+                             str(config_file), "--run-dir", str(run_dir), *flags], timeout=120)
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    return result, losses
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(config_file):
+    """Six steps at dp = 2, saving after steps 3 and 6."""
+    run_dir = config_file.parent / "whole"
+    result, losses = train_cli(config_file, 2, run_dir)
+    assert result.returncode == 0, result.stderr
+    return run_dir, losses
+
+
+def stopped_after_3(uninterrupted, run_dir) -> Path:
+    """A run folder as if its job had ended after the save of step 3."""
+    source = uninterrupted[0] / "checkpoints" / "step-000003"
+    shutil.copytree(source, run_dir / "checkpoints" / source.name)
+    (run_dir / "checkpoints" / "latest").write_text(source.name + "\n")
+    return run_dir
+
+
+@pytest.mark.slow
+def test_resume_auto_gives_the_bitwise_losses_of_an_uninterrupted_run(config_file,
+                                                                      uninterrupted):
+    run_dir = stopped_after_3(uninterrupted, config_file.parent / "resumed")
+    result, losses = train_cli(config_file, 2, run_dir, "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    assert losses == uninterrupted[1][3:]  # bitwise
+    result, losses = train_cli(config_file, 1, config_file.parent / "fresh", "--resume",
+                               "auto", "--steps", "6")
+    assert result.returncode == 0 and len(losses) == 6  # nothing to resume: from scratch
+
+
+@pytest.mark.slow
+def test_resume_at_another_layout_matches_to_float_tolerance(config_file, uninterrupted):
+    run_dir = stopped_after_3(uninterrupted, config_file.parent / "resharded")
+    result, losses = train_cli(config_file, 2, run_dir, "--resume", "auto", "--tp", "2",
+                               "--zero", "0")
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(losses, uninterrupted[1][3:], rtol=1e-10)
+
+
+@pytest.mark.slow
+def test_resume_from_a_corrupt_checkpoint_names_the_file_and_tensor(config_file,
+                                                                    uninterrupted):
+    run_dir = stopped_after_3(uninterrupted, config_file.parent / "corrupt")
+    folder = run_dir / "checkpoints" / "step-000003"
+    with Checkpoint(folder) as ck:
+        piece = ck.tensors["model/blocks.0.attn.proj.weight"].pieces[0]
+    flip_byte_of(folder / piece.file, piece.dataset)
+    result, _ = train_cli(config_file, 2, run_dir, "--resume", "auto")
+    assert result.returncode == 2
+    assert piece.file in result.stderr and "model/blocks.0.attn.proj.weight" in result.stderr
+    assert "sha256 mismatch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_full_box_of_a_scalar_is_empty():
+    assert full_box(()) == () and box_volume(()) == 1
