@@ -1,0 +1,64 @@
+"""``hpctrain slurm``: job templates filled for a layout, checked before submission."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hpctrain.config import ConfigError
+from hpctrain.slurm.render import TEMPLATES, JobRequest, check_config, check_fit, render
+
+
+@click.group("slurm")
+def slurm() -> None:
+    """SLURM job scripts for hpctrain runs."""
+
+
+@slurm.command("render")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes to allocate.")
+@click.option("--ranks-per-node", type=int, required=True, help="MPI ranks on each node.")
+@click.option("--cpus-per-task", type=int, default=1, show_default=True,
+              help="Cores per rank (its BLAS threads).")
+@click.option("--time", "time_limit", default="00:30:00", show_default=True,
+              help="Wall-clock limit, HH:MM:SS.")
+@click.option("--dp", type=int, help="Data-parallel size [default: ranks // (tp * pp)].")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
+@click.option("--config", "config_path", default="configs/gpt-shakespeare.toml",
+              show_default=True, help="The run's TOML config (validated for this layout).")
+@click.option("--job-name", default="hpctrain-train", show_default=True,
+              help="Name shown by squeue.")
+@click.option("--partition", help="SLURM partition (queue) to run in.")
+@click.option("--account", help="SLURM account to charge.")
+@click.option("--train-args", default="", help='Further options, e.g. "--microbatches 4".')
+@click.option("--hpctrain", "hpctrain_cmd", default="hpctrain", show_default=True,
+              help="The hpctrain command on the compute nodes.")
+@click.option("--launcher", type=click.Choice(["srun", "mpiexec"]), default="srun",
+              show_default=True, help="Launch with srun (PMI-2) or mpiexec.")
+@click.option("--template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=TEMPLATES / "train.sbatch", show_default=True, help="Template to fill.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the script here [default: standard output].")
+def render_cmd(template, output, config_path, time_limit, hpctrain_cmd, **options) -> None:
+    """Fill the training template for a layout, refusing one that does not fit.
+
+    \b
+    Examples:
+      hpctrain slurm render --nodes 2 --ranks-per-node 4 --tp 2 --pp 2 -o job.sbatch
+      hpctrain slurm render --ranks-per-node 8 --tp 4 --partition compute --time 02:00:00
+    """
+    req = JobRequest(config=config_path, time=time_limit, hpctrain=hpctrain_cmd, **options)
+    try:
+        dp = check_fit(req)
+        check_config(req, dp)
+    except ConfigError as err:
+        raise click.ClickException(str(err)) from None
+    script = render(template.read_text(), req, dp)
+    if output is None:
+        click.echo(script, nl=False)
+    else:
+        output.write_text(script)
+        output.chmod(0o755)
+        click.echo(f"wrote {output}: {req.nodes} node(s) x {req.ranks_per_node} ranks, "
+                   f"dp={dp} tp={req.tp} pp={req.pp}; submit with: sbatch {output}", err=True)

@@ -1,0 +1,119 @@
+"""Fill a job template for one layout, after checking that the layout fits.
+
+A template is a real batch script (``jobscripts/train.sbatch``): it can be submitted
+as it is. Rendering rewrites two kinds of lines and leaves every other line alone:
+
+* ``#SBATCH --key=value`` lines (and commented-out ``# #SBATCH`` ones, which are
+  switched on when the key is given), and
+* default lines of the form ``: "${NAME:=value}"``.
+
+``check_fit`` runs first and refuses a layout that does not match the allocation:
+``dp * tp * pp`` must equal ``nodes * ranks_per_node``, and a tensor group must sit on
+one node. The run's config is validated for that rank count too, so a model rule
+(``tp (3) must divide n_head (8)``) fails here, before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.config import ConfigError
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "jobscripts"
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    nodes: int
+    ranks_per_node: int
+    cpus_per_task: int = 1
+    time: str = "00:30:00"
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    config: str = "configs/gpt-shakespeare.toml"
+    job_name: str = "hpctrain-train"
+    partition: str | None = None
+    account: str | None = None
+    train_args: str = ""  # further `hpctrain train` options
+    hpctrain: str = "hpctrain"
+    launcher: str = "srun"
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def check_fit(req: JobRequest) -> int:
+    """Refuse a layout that does not fit the allocation; return the resolved dp."""
+    if req.nodes < 1 or req.ranks_per_node < 1 or req.cpus_per_task < 1:
+        raise ConfigError(f"nodes ({req.nodes}), ranks per node ({req.ranks_per_node}) and "
+                          f"cpus per task ({req.cpus_per_task}) must be at least 1")
+    if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", req.time):
+        raise ConfigError(f"time ({req.time!r}) must look like MM, HH:MM:SS or D-HH:MM:SS")
+    if req.launcher not in ("srun", "mpiexec"):
+        raise ConfigError(f"launcher ({req.launcher!r}) must be srun or mpiexec")
+    mp = req.tp * req.pp
+    dp = req.dp if req.dp is not None else req.ranks // mp
+    if dp * mp != req.ranks:
+        raise ConfigError(
+            f"dp * tp * pp ({dp} * {req.tp} * {req.pp} = {dp * mp}) must equal the tasks "
+            f"allocated, nodes * ranks per node ({req.nodes} * {req.ranks_per_node} = "
+            f"{req.ranks})")
+    if req.ranks_per_node % req.tp != 0:
+        raise ConfigError(
+            f"tp ({req.tp}) must divide ranks per node ({req.ranks_per_node}): a tensor "
+            f"group must sit on one node")
+    return dp
+
+
+def check_config(req: JobRequest, dp: int) -> None:
+    """Validate the run's config file for this layout, as every rank would."""
+    from hpctrain import config as config_mod
+
+    overrides = {"parallel.dp": dp, "parallel.tp": req.tp, "parallel.pp": req.pp}
+    config_mod.load(req.config, overrides).validate(req.ranks)
+
+
+def render(template: str, req: JobRequest, dp: int) -> str:
+    """The template with this request's resources and defaults filled in."""
+    sbatch = {"job-name": req.job_name, "nodes": req.nodes,
+              "ntasks-per-node": req.ranks_per_node, "cpus-per-task": req.cpus_per_task,
+              "time": req.time, "partition": req.partition, "account": req.account}
+    layout = f"--dp {dp} --tp {req.tp} --pp {req.pp}"
+    defaults = {"CONFIG": req.config, "HPCTRAIN": req.hpctrain, "LAUNCHER": req.launcher,
+                "TRAIN_ARGS": f"{layout} {req.train_args}".strip()}
+    lines = []
+    for line in template.splitlines():
+        lines.append(_render_line(line, sbatch, defaults))
+    return "\n".join(lines) + "\n"
+
+
+_SBATCH = re.compile(r"^(# )?#SBATCH --([a-z-]+)=(\S+)(.*)$")
+_DEFAULT = re.compile(r'^: "\$\{([A-Z_]+):=(.*?)\}"(.*)$')
+
+
+def _render_line(line: str, sbatch: dict, defaults: dict) -> str:
+    m = _SBATCH.match(line)
+    if m and sbatch.get(m.group(2)) is not None:
+        return _keep_comment_column(line, f"#SBATCH --{m.group(2)}={sbatch[m.group(2)]}",
+                                    m.group(4))
+    m = _DEFAULT.match(line)
+    if m and m.group(1) in defaults:
+        name, value = m.group(1), str(defaults[m.group(1)])
+        # the value sits inside double quotes in the script
+        if any(c in value for c in '"$`\\'):
+            raise ConfigError(f"{name} ({value!r}) must not contain \" $ ` or \\")
+        return _keep_comment_column(line, f': "${{{name}:={value}}}"', m.group(3))
+    return line
+
+
+def _keep_comment_column(old: str, code: str, rest: str) -> str:
+    """``code`` followed by the old line's trailing comment, in its old column if it fits."""
+    comment = rest.lstrip()
+    if not comment:
+        return code
+    column = len(old) - len(comment)
+    return f"{code:<{column}}{comment}" if len(code) < column else f"{code}  {comment}"

@@ -1,0 +1,172 @@
+"""The job templates on a real one-node SLURM cluster (``make test-slurm``).
+
+``cluster.sh`` installs Debian's slurm and munge when missing, starts the daemons on
+loopback with their state in a temporary folder, and the fixture stops exactly those
+daemons at the end. The tests submit the real ``jobscripts/`` with ``sbatch``:
+data preparation, the prep -> train chain with ``--dependency=afterok``, and a
+training job preempted with ``scancel --signal=USR1`` that must requeue itself,
+resume from its checkpoint and end with the loss curve of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+
+TINY_GPT = """
+[model]
+seq_len = 16
+n_layer = 2
+n_head = 2
+d_model = 32
+dtype = "float64"
+[train]
+steps = {steps}
+batch_size = 8
+lr = 3e-3
+warmup_steps = 5
+eval_interval = 0
+log_interval = 5
+seed = 7
+[data]
+path = "{data}"
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm")
+    subprocess.run(["bash", str(CLUSTER), "start", str(state)], check=True, timeout=300)
+    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
+           "HPCTRAIN": str(BIN / "hpctrain"), "PREP": str(BIN / "hpctrain-prep"),
+           "OMP_NUM_THREADS": "1"}
+    try:
+        yield env
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], timeout=120)
+
+
+def sbatch(env, script, *options, **variables) -> str:
+    result = subprocess.run(
+        ["sbatch", "--parsable", *options, str(ROOT / "jobscripts" / script)],
+        env={**env, **{k: str(v) for k, v in variables.items()}}, capture_output=True,
+        text=True, timeout=60, check=True)
+    return result.stdout.strip().split(";")[0]
+
+
+def job_fields(env, job_id) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_for(env, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+             timeout=300) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = job_fields(env, job_id)
+        if fields.get("JobState") in states:
+            return fields
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} not in {states} after {timeout} s: "
+                         f"{job_fields(env, job_id)}")
+
+
+@pytest.fixture(scope="module")
+def text_data(cluster, tmp_path_factory):
+    """Shakespeare prepared by prep.sbatch, as a user would on a cluster."""
+    work = tmp_path_factory.mktemp("prep")
+    job = sbatch(cluster, "prep.sbatch", f"--chdir={work}",
+                 OUTPUT=work / "shakespeare.h5", SOURCES="shakespeare")
+    fields = wait_for(cluster, job)
+    log = (work / f"hpctrain-prep-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    assert f"job {job} on" in log and "exited with status 0" in log
+    return work / "shakespeare.h5"
+
+
+def test_prep_job_writes_a_verified_dataset(cluster, text_data):
+    result = subprocess.run([str(BIN / "hpctrain-prep"), "verify", str(text_data)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_chain_runs_train_after_prep_and_exit_codes_propagate(cluster, tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_GPT.format(steps=6, data=tmp_path / "shk.h5"))
+    env = {**cluster, "OUTPUT": str(tmp_path / "shk.h5"), "CONFIG": str(cfg),
+           "RUN_DIR": str(tmp_path / "run"), "PREP_ARGS": "--force"}
+    out = subprocess.run(["bash", str(ROOT / "jobscripts" / "chain.sh")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    prep_id, train_id = re.findall(r"job (\d+)", out)[:2]
+    assert wait_for(cluster, prep_id)["JobState"] == "COMPLETED"
+    fields = wait_for(cluster, train_id)
+    log = (tmp_path / f"hpctrain-train-{train_id}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    assert "layout: 4 ranks = 1 node(s) x 4" in log
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == \
+        list(range(1, 7))
+    # a failing run must show FAILED, not COMPLETED: a config the model refuses
+    job = sbatch(cluster, "train.sbatch", f"--chdir={tmp_path}", CONFIG=cfg,
+                 RUN_DIR=tmp_path / "bad", TRAIN_ARGS="--tp 3")
+    fields = wait_for(cluster, job)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"].startswith("2:")
+
+
+def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster, text_data,
+                                                                        tmp_path):
+    steps = 40
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_GPT.format(steps=steps, data=text_data))
+    common = [f"--chdir={tmp_path}", "--ntasks-per-node=2"]
+    job = sbatch(cluster, "train.sbatch", *common, CONFIG=cfg, RUN_DIR=tmp_path / "preempted",
+                 TRAIN_ARGS="--save-interval 1000")
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(read_metrics(metrics)) >= 8):
+        assert time.monotonic() < deadline, job_fields(cluster, job)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster, check=True, timeout=30)
+    # the job requeues itself (Restarts=1), runs again and completes
+    deadline = time.monotonic() + 300
+    while True:
+        fields = job_fields(cluster, job)
+        if fields.get("Restarts") == "1" and fields.get("JobState") == "COMPLETED":
+            break
+        assert time.monotonic() < deadline, fields
+        assert fields.get("JobState") not in ("FAILED", "CANCELLED"), fields
+        time.sleep(1)
+    log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
+    assert "preempted, checkpoint saved" in log and "(restart 1)" in log, log
+
+    reference = sbatch(cluster, "train.sbatch", *common, CONFIG=cfg,
+                       RUN_DIR=tmp_path / "uninterrupted", TRAIN_ARGS="--save-interval 1000")
+    assert wait_for(cluster, reference)["JobState"] == "COMPLETED"
+    got = {r["step"]: r["loss"] for r in read_metrics(metrics)}
+    want = {r["step"]: r["loss"]
+            for r in read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")}
+    assert sorted(got) == list(range(1, steps + 1))
+    assert got == want  # bitwise: same layout, resumed from an exact checkpoint
+
+
+def test_render_refuses_layouts_that_do_not_fit(tmp_path):
+    cases = [(["--ranks-per-node", "2", "--nodes", "2", "--tp", "4"],
+              "tp (4) must divide ranks per node (2)"),
+             (["--ranks-per-node", "4", "--dp", "3"],
+              "dp * tp * pp (3 * 1 * 1 = 3) must equal the tasks allocated")]
+    for args, message in cases:
+        result = subprocess.run([str(BIN / "hpctrain"), "slurm", "render", *args],
+                                capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode != 0 and message in result.stderr, result.stderr

@@ -1,0 +1,86 @@
+"""The SLURM templates without a cluster: syntax, the guard, rendering and its checks."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpctrain.cli import main
+from hpctrain.config import ConfigError
+from hpctrain.slurm.placement import NodeLayout, blas_threads_per_rank, tensor_group_warning
+from hpctrain.slurm.render import TEMPLATES, JobRequest, check_fit, render
+
+SCRIPTS = sorted(TEMPLATES.glob("*.sbatch")) + sorted(TEMPLATES.glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_template_parses_in_bash(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("script", sorted(TEMPLATES.glob("*.sbatch")), ids=lambda p: p.name)
+def test_sbatch_lines_use_long_flags_with_a_comment_and_a_guard_outside_slurm(script):
+    text = script.read_text()
+    for line in text.splitlines():
+        if line.startswith("#SBATCH"):
+            assert line.startswith("#SBATCH --"), line
+            assert "  # " in line, f"uncommented #SBATCH line: {line}"
+    env = {"PATH": "/usr/bin:/bin"}  # no SLURM_JOB_ID
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "submit it with 'sbatch" in result.stderr
+
+
+def test_render_fills_resources_and_layout_and_stays_valid_bash(tmp_path):
+    out = tmp_path / "job.sbatch"
+    result = CliRunner().invoke(main, [
+        "slurm", "render", "--nodes", "2", "--ranks-per-node", "4", "--tp", "2", "--pp", "2",
+        "--time", "01:00:00", "--partition", "compute", "--account", "proj",
+        "--train-args", "--microbatches 4", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    for line in ["#SBATCH --nodes=2 ", "#SBATCH --ntasks-per-node=4 ", "#SBATCH --time=01:00:00 ",
+                 "#SBATCH --partition=compute ", "#SBATCH --account=proj ",
+                 ': "${TRAIN_ARGS:=--dp 2 --tp 2 --pp 2 --microbatches 4}"']:
+        assert line in text, line
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+
+
+@pytest.mark.parametrize("req, message", [
+    (JobRequest(nodes=2, ranks_per_node=2, tp=4), r"tp \(4\) must divide ranks per node \(2\)"),
+    (JobRequest(nodes=1, ranks_per_node=4, dp=3),
+     r"dp \* tp \* pp \(3 \* 1 \* 1 = 3\) must equal the tasks allocated"),
+    (JobRequest(nodes=1, ranks_per_node=4, time="soon"), r"time \('soon'\) must look like"),
+    (JobRequest(nodes=0, ranks_per_node=4), r"must be at least 1"),
+])
+def test_layouts_that_do_not_fit_are_refused(req, message):
+    with pytest.raises(ConfigError, match=message):
+        check_fit(req)
+
+
+def test_render_validates_the_model_for_the_layout(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[model]\nn_head = 8\nd_model = 64\n")
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "3", "--tp", "3",
+                                       "--config", str(cfg)])
+    assert result.exit_code != 0 and "tp (3) must divide n_head (8)" in result.output
+
+
+def test_render_refuses_values_that_would_break_the_script():
+    req = JobRequest(nodes=1, ranks_per_node=1, config='evil"; rm -rf /')
+    with pytest.raises(ConfigError, match="must not contain"):
+        render((TEMPLATES / "train.sbatch").read_text(), req, 1)
+
+
+def test_blas_threads_and_tensor_group_warning(monkeypatch):
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    assert blas_threads_per_rank(4) == 3
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    assert blas_threads_per_rank(10_000) == 1
+    assert tensor_group_warning(NodeLayout(0, 1, 4, False), 2) is None
+    assert "spans nodes" in tensor_group_warning(NodeLayout(0, 2, 3, True), 2)
+
+
+def test_templates_folder_is_the_repository_one():
+    assert TEMPLATES == Path(__file__).resolve().parents[1] / "jobscripts"
