@@ -92,3 +92,32 @@ def train_losses(cfg, comm, batches, *, steps: int | None = None) -> list[float]
         losses.append(loss)
     topo.free()
     return losses
+
+
+def tiny_corpus_config(folder, config_template: str, line: str, lines: int):
+    """A small text corpus prepared with ``hpctrain-prep text`` into ``folder``, and a
+    TOML config ``folder/tiny.toml`` from ``config_template`` (its ``{data}`` is the
+    prepared file). Returns the config's path."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from data_prep.cli import main as prep
+
+    folder = Path(folder)
+    text = folder / "corpus.txt"
+    text.write_text("".join(f"line {i}: {line}\n" for i in range(lines)))
+    data = folder / "corpus.h5"
+    result = CliRunner().invoke(prep, ["text", str(text), "-o", str(data), "-q"])
+    assert result.exit_code == 0, result.output
+    cfg = folder / "tiny.toml"
+    cfg.write_text(config_template.format(data=data))
+    return cfg
+
+
+def run_train(ranks: int, config, run_dir, *flags: str, timeout: float = 120):
+    """``mpiexec -n ranks python -m hpctrain.cli train --config C --run-dir D FLAGS``."""
+    import sys
+
+    return run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
+                           str(config), "--run-dir", str(run_dir), *flags], timeout=timeout)

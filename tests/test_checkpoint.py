@@ -6,7 +6,6 @@ import itertools
 import json
 import pickle
 import shutil
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +43,7 @@ from hpctrain.config import Config, ModelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.shards import take_shard
 from hpctrain.parallel.topology import Topology
-from hpctrain.testing import run_mpi
+from hpctrain.testing import run_train, tiny_corpus_config
 from hpctrain.train import make_data_parallel, train_step
 
 MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, dtype="float64")
@@ -412,23 +411,12 @@ CONFIG = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory):
-    from data_prep.cli import main as prep
-
-    folder = tmp_path_factory.mktemp("ckpt_cli")
-    text = folder / "corpus.txt"
-    text.write_text("".join(f"line {i}: the quality of mercy is not strained.\n"
-                            for i in range(300)))
-    data = folder / "corpus.h5"
-    result = CliRunner().invoke(prep, ["text", str(text), "-o", str(data), "-q"])
-    assert result.exit_code == 0, result.output
-    cfg = folder / "tiny.toml"
-    cfg.write_text(CONFIG.format(data=data))
-    return cfg
+    return tiny_corpus_config(tmp_path_factory.mktemp("ckpt_cli"), CONFIG,
+                              "the quality of mercy is not strained.", 300)
 
 
 def train_cli(config_file, ranks, run_dir, *flags):
-    result = run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
-                             str(config_file), "--run-dir", str(run_dir), *flags], timeout=120)
+    result = run_train(ranks, config_file, run_dir, *flags)
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()] \
         if (run_dir / "metrics.jsonl").exists() else []
     return result, losses

@@ -3,14 +3,12 @@ with and without ``--sequence-parallel``, on a tiny byte-level corpus prepared w
 ``hpctrain-prep text``."""
 
 import json
-import sys
 import textwrap
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from hpctrain.testing import run_mpi
+from hpctrain.testing import run_train, tiny_corpus_config
 
 CONFIG = textwrap.dedent("""
     [model]
@@ -36,25 +34,13 @@ CONFIG = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory):
-    from data_prep.cli import main as prep
-
-    folder = tmp_path_factory.mktemp("cli_tp")
-    text = folder / "corpus.txt"
-    text.write_text("".join(f"line {i}: to be, or not to be, that is the question.\n"
-                            for i in range(400)))
-    data = folder / "corpus.h5"
-    result = CliRunner().invoke(prep, ["text", str(text), "-o", str(data), "-q"])
-    assert result.exit_code == 0, result.output
-    cfg = folder / "tiny.toml"
-    cfg.write_text(CONFIG.format(data=data))
-    return cfg
+    return tiny_corpus_config(tmp_path_factory.mktemp("cli_tp"), CONFIG,
+                              "to be, or not to be, that is the question.", 400)
 
 
 def run(config_file, ranks, *flags):
     run_dir = config_file.parent / "_".join(["run", str(ranks), *flags]).replace("-", "")
-    result = run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
-                             str(config_file), "--run-dir", str(run_dir), "--quiet", *flags],
-                     timeout=120)
+    result = run_train(ranks, config_file, run_dir, "--quiet", *flags)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     return records

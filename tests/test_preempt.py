@@ -7,10 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from hpctrain.metrics import read_metrics
-from hpctrain.testing import mpiexec
+from hpctrain.testing import mpiexec, tiny_corpus_config
 
 CONFIG = """
 [model]
@@ -31,15 +30,8 @@ path = "{data}"
 
 
 def prepare(tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("To be, or not to be, that is the question. " * 400)
-    data = tmp_path / "tokens.h5"
-    prep = Path(sys.executable).parent / "hpctrain-prep"
-    subprocess.run([str(prep), "text", str(text), "-o", str(data), "--quiet"], check=True,
-                   timeout=60)
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(CONFIG.format(data=data))
-    return cfg
+    return tiny_corpus_config(tmp_path, CONFIG, "to be, or not to be, that is the question.",
+                              400)
 
 
 def launch(cfg, run_dir, *extra):
