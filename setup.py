@@ -25,6 +25,9 @@ setup(
         # Laptops: the MPICH wheel puts `mpiexec` into the venv. Clusters use their
         # system MPI instead (build mpi4py against it and leave this extra out).
         "mpich": ["mpich"],
+        # PNG loss curves and schedule pictures (hpctrain plot): axes, text and image
+        # encoding are what matplotlib does well and we would otherwise write by hand
+        "plot": ["matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": [

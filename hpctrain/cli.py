@@ -11,7 +11,9 @@ import sys
 import click
 
 from hpctrain import __version__
+from hpctrain.bench_cli import bench_command
 from hpctrain.ckpt_cli import ckpt
+from hpctrain.plot_cli import plot
 from hpctrain.slurm.cli import slurm
 
 # option name -> dotted config field it overrides
@@ -43,6 +45,7 @@ def main() -> None:
       hpctrain train --config configs/gpt-shakespeare.toml
       mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --tp 2
       hpctrain ckpt verify runs/gpt-shakespeare
+      hpctrain bench
     """
 
 
@@ -76,8 +79,12 @@ def main() -> None:
               help="Continue from a checkpoint: 'auto' is RUN_DIR/checkpoints/latest (or a "
                    "fresh start if there is none); PATH a run, checkpoints or step folder, "
                    "or a consolidated file. Any parallel layout loads it.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Write every rank's timeline of the training steps to this file: Chrome "
+                   "trace JSON, one track per rank (open it in ui.perfetto.dev).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
-def train(config_path: str, quiet: bool, resume: str | None, **options) -> None:
+def train(config_path: str, quiet: bool, resume: str | None, trace_path: str | None,
+          **options) -> None:
     """Train a model on every rank of the MPI job.
 
     On SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved and the
@@ -91,6 +98,8 @@ def train(config_path: str, quiet: bool, resume: str | None, **options) -> None:
       mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --zero 1
       hpctrain train --config configs/gpt-shakespeare.toml --save-interval 50 --keep 2
       mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --resume auto
+      mpiexec -n 4 hpctrain train --config configs/gpt-shakespeare.toml --tp 2 --pp 2 \\
+          --microbatches 4 --steps 5 --trace runs/trace.json
     """
     from hpctrain import preempt
 
@@ -107,12 +116,15 @@ def train(config_path: str, quiet: bool, resume: str | None, **options) -> None:
             comm, lambda: config_mod.load(config_path, overrides).validate(comm.Get_size()))
         from hpctrain.train import train as run_training
 
-        summary = run_training(cfg, comm, quiet=quiet, resume=resume)
+        summary = run_training(cfg, comm, quiet=quiet, resume=resume,
+                               trace_path=trace_path)
     if summary.preempted:
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
 
 
+main.add_command(bench_command)
 main.add_command(ckpt)
+main.add_command(plot)
 main.add_command(slurm)
 
 

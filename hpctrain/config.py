@@ -96,6 +96,7 @@ class TrainConfig:
     save_interval: int = 0  # steps between checkpoints (and at the last step); 0: none
     keep_checkpoints: int = 3  # the newest complete checkpoints kept in run_dir/checkpoints
     blas_threads: int = 0  # per rank; 0 means cores // ranks on this node
+    row_threads: int = 0  # element-wise threads per rank (hpctrain.nn.threads); 0: as BLAS
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
     _require(t.keep_checkpoints >= 1,
              f"keep_checkpoints ({t.keep_checkpoints}) must be at least 1")
     _require(t.blas_threads >= 0, f"blas_threads ({t.blas_threads}) must not be negative")
+    _require(t.row_threads >= 0, f"row_threads ({t.row_threads}) must not be negative")
 
 
 # ---------------------------------------------------------------------------------

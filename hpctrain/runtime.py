@@ -97,9 +97,13 @@ def abort_on_error(comm: Any):
 
 
 def set_blas_threads(threads: int) -> int:
-    """Limit the BLAS pool of the NumPy already loaded in this process; return the count."""
+    """Limit the BLAS pool of the NumPy already loaded in this process, and the threads
+    of element-wise work (``hpctrain.nn.threads``) to the same count; return it."""
     from threadpoolctl import threadpool_limits
+
+    from hpctrain.nn import threads as nn_threads
 
     threads = max(1, threads)
     threadpool_limits(limits=threads, user_api="blas")
+    nn_threads.set_threads(threads)  # element-wise work follows the BLAS pool
     return threads

@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain import preempt
+from hpctrain import preempt, trace
 from hpctrain.checkpoint.state import schedule_of
 from hpctrain.config import Config
 from hpctrain.data import eval_batches, open_loader
 from hpctrain.metrics import MetricsWriter, progress_line
+from hpctrain.nn import threads as nn_threads
 from hpctrain.optim import schedule
 from hpctrain.optim.optimizers import SGD, AdamW
 from hpctrain.parallel.data import DataParallel
@@ -74,14 +75,17 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float) -> tuple[float,
     ``dp`` is ``make_data_parallel``'s. Collective over the data group, and over the
     model group inside the engine and the norm.
     """
-    dp.zero_grad()
+    with trace.span("zero_grad", "optimizer"):
+        dp.zero_grad()
     # the gradient of loss / dp: summed over the data group it is the global mean's
     loss = engine.forward_backward(x, y, scale=1.0 / dp.dp_size)
-    dp.finish_grads()
-    norm = dp.grad_norm()
-    if grad_clip > 0:
-        dp.clip(grad_clip, norm)
-    dp.step(lr)
+    with trace.span("dp_wait", "dp_comm"):
+        dp.finish_grads()
+    with trace.span("optimizer", "optimizer"):
+        norm = dp.grad_norm()
+        if grad_clip > 0:
+            dp.clip(grad_clip, norm)
+        dp.step(lr)
     return mean_over(dp.dp_comm, loss), norm
 
 
@@ -147,20 +151,71 @@ def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dic
         writer.say(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
 
 
-def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = None) -> Summary:
+def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, engine, dp,
+              resumed, sched: dict) -> None:
+    """Rank 0's opening lines: the layout, the memory, warnings, what was resumed."""
+    writer.say(f"hpctrain: {comm.Get_size()} rank(s), dp={topo.dp_size} tp={topo.tp_size} "
+               f"pp={topo.pp_size}, {threads} BLAS thread(s)/rank, {cfg.model.kind} shard "
+               f"of {sum(p.data.size for p in engine.params):,} parameters on rank 0")
+    mem = dp.memory()
+    writer.say(f"memory on rank 0 (zero {cfg.parallel.zero}): parameters "
+               f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
+               f"{mem['grad_bytes'] / 2**20:.1f} MiB, optimizer state "
+               f"{mem['optim_bytes'] / 2**20:.1f} MiB")
+    warning = tensor_group_warning(nodes, topo.tp_size)
+    if warning:
+        writer.say(warning)
+    if resumed is not None:
+        kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
+        writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
+
+
+def breakdown_over(comm, totals: dict[str, float]) -> dict[str, float]:
+    """Mean over the ranks of ``comm`` of each category's seconds (collective)."""
+    values = np.array([totals[c] for c in trace.CATEGORIES])
+    if comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        comm.Allreduce(MPI.IN_PLACE, values, op=MPI.SUM)
+        values /= comm.Get_size()
+    return dict(zip(trace.CATEGORIES, values.tolist(), strict=True))
+
+
+def _write_trace(cfg: Config, comm, topo: Topology, tracer, path: str, writer) -> None:
+    """Every rank's spans into one Chrome trace at ``path`` (collective)."""
+    dp_rank, pp_rank, tp_rank = topo.dp_rank, topo.pp_rank, topo.tp_rank
+    coords = comm.allgather([dp_rank, pp_rank, tp_rank])
+    par = cfg.parallel
+    written = trace.write_chrome(
+        comm, tracer, path,
+        process_name=f"rank {comm.Get_rank()} (dp {dp_rank}, pp {pp_rank}, tp {tp_rank})",
+        other={"dp": topo.dp_size, "tp": topo.tp_size, "pp": topo.pp_size,
+               "schedule": par.schedule if topo.pp_size > 1 else "none",
+               "microbatches": par.microbatches, "virtual_stages": par.virtual_stages,
+               "coords": coords})
+    if writer is not None:
+        writer.say(f"trace of every rank in {written} (open it in ui.perfetto.dev)")
+
+
+def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = None,
+          trace_path: str | None = None) -> Summary:
     """Train on every rank of ``comm`` with a config already validated for its size.
 
     ``resume``: "auto" (the run's latest checkpoint, if any) or a checkpoint path; the
     run then continues after the saved step, with the saved learning-rate schedule.
+    ``trace_path``: write every rank's timeline of the training steps there (Chrome
+    trace). Every step's record in metrics.jsonl carries ``time_s``, the mean over
+    ranks of each trace category's seconds (``hpctrain.trace.CATEGORIES``).
     """
     topo = Topology.build(comm, cfg.parallel)
     nodes = node_layout(comm, topo.tp_comm)
     threads = set_blas_threads(cfg.train.blas_threads
                                or blas_threads_per_rank(nodes.ranks_on_node))
+    if cfg.train.row_threads:
+        nn_threads.set_threads(cfg.train.row_threads)
     loader, val = startup_check(comm, lambda: _open_data(cfg, topo))
 
     engine = build_engine(cfg, topo)
-    params = engine.params
     dp = make_data_parallel(cfg, engine, topo)
     t = cfg.train
     sched = schedule_of(cfg)  # lr_at's keyword arguments; a resumed run keeps its own
@@ -175,21 +230,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
                                else resumed.step)
         (Path(t.run_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         if not quiet:
-            writer.say(f"hpctrain: {comm.Get_size()} rank(s), dp={topo.dp_size} "
-                       f"tp={topo.tp_size} pp={topo.pp_size}, {threads} BLAS thread(s)/rank, "
-                       f"{cfg.model.kind} shard of {sum(p.data.size for p in params):,} "
-                       f"parameters on rank 0")
-            mem = dp.memory()
-            writer.say(f"memory on rank 0 (zero {cfg.parallel.zero}): parameters "
-                       f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
-                       f"{mem['grad_bytes'] / 2**20:.1f} MiB, optimizer state "
-                       f"{mem['optim_bytes'] / 2**20:.1f} MiB")
-            warning = tensor_group_warning(nodes, topo.tp_size)
-            if warning:
-                writer.say(warning)
-            if resumed is not None:
-                kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
-                writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
+            _announce(writer, cfg, comm, topo, nodes, threads, engine, dp, resumed, sched)
 
     losses, val_losses, accuracy = [], [], None
     tokens_per_step = t.batch_size * _tokens_per_sample(cfg)
@@ -201,17 +242,25 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
                          ({} if accuracy is None else {"val_accuracy": accuracy}))
             if not quiet:
                 writer.say(f"step 0/{t.steps} | val {val_loss:.4f}")
+    tracer = trace.Tracer(keep_events=trace_path is not None)
+    trace.align_origin(comm, tracer)
     start = time.perf_counter()
     preempted = False
     for step in range(first, t.steps + 1):
         t0 = time.perf_counter()
         lr = schedule.lr_at(step - 1, **sched)
-        x, y = loader.next_batch()
-        loss, norm = train_step(engine, dp, x, y, lr=lr, grad_clip=t.grad_clip)
+        with trace.recording(tracer):
+            tracer.step = step
+            with trace.span("step", "other"):
+                with trace.span("data", "data"):
+                    x, y = loader.next_batch()
+                loss, norm = train_step(engine, dp, x, y, lr=lr, grad_clip=t.grad_clip)
+            tracer.step = None
         dt = time.perf_counter() - t0
         losses.append(loss)
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                  "time_s": breakdown_over(comm, tracer.take_totals()),
                   **engine.metrics(), **dp.metrics()}
         if val is not None and (step % t.eval_interval == 0 or step == t.steps):
             record["val_loss"], accuracy = evaluate(cfg, engine, val, topo.dp_comm)
@@ -235,6 +284,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
             break
     seconds = time.perf_counter() - start
     loader.close()
+    if trace_path is not None:
+        _write_trace(cfg, comm, topo, tracer, trace_path, None if quiet else writer)
     if writer is not None:
         if not quiet:
             writer.say(f"done: {t.steps} steps in {seconds:.1f} s; metrics in {writer.path}")

@@ -21,6 +21,7 @@ import numpy as np
 
 from hpctrain.nn.layers import Linear, LinearCache
 from hpctrain.nn.module import Module
+from hpctrain.nn.threads import over_rows
 
 
 class AttentionCache(NamedTuple):
@@ -61,10 +62,8 @@ class CausalSelfAttention(Module):
         q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         q *= 1.0 / math.sqrt(D)  # in place: q is not needed unscaled
         p = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T)
-        np.copyto(p, -np.inf, where=_future_mask(T))
-        p -= p.max(axis=-1, keepdims=True)  # the diagonal is never masked: max is finite
-        np.exp(p, out=p)
-        p /= p.sum(axis=-1, keepdims=True)
+        mask = _future_mask(T)
+        over_rows(lambda s: _causal_softmax(s, mask), p.reshape(B * H, T, T))
         y = np.empty((B, T, H, D), dtype=qkv.dtype)
         np.matmul(p, v, out=y.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
@@ -81,12 +80,25 @@ class CausalSelfAttention(Module):
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D), views into dqkv
         np.matmul(p.transpose(0, 1, 3, 2), dy, out=dv)
         ds = dy @ v.transpose(0, 1, 3, 2)  # (B, H, T, T), dP
-        ds -= np.einsum("bhij,bhij->bhi", ds, p)[..., None]  # softmax backward, in place
-        ds *= p  # masked entries have p == 0, so they get no gradient
+        over_rows(_softmax_backward, ds.reshape(B * H, T, T), p.reshape(B * H, T, T))
         np.matmul(ds, k, out=dq)
         dq *= 1.0 / math.sqrt(D)
         np.matmul(ds.transpose(0, 1, 3, 2), q, out=dk)  # q was cached already scaled
         return self.qkv.backward(dqkv.reshape(B, T, 3 * H * D), cache.qkv)
+
+
+def _causal_softmax(s: np.ndarray, mask: np.ndarray) -> None:
+    # s (n, T, T) scores -> probabilities, in place; mask (T, T) True above the diagonal
+    np.copyto(s, -np.inf, where=mask)
+    s -= s.max(axis=-1, keepdims=True)  # the diagonal is never masked: max is finite
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+
+
+def _softmax_backward(ds: np.ndarray, p: np.ndarray) -> None:
+    # ds (n, T, T) holds dP; becomes dS = P * (dP - rowsum(dP * P)), in place
+    ds -= np.einsum("nij,nij->ni", ds, p)[..., None]
+    ds *= p  # masked entries have p == 0, so they get no gradient
 
 
 def _future_mask(T: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hpctrain.nn.module import Module, Parameter
+from hpctrain.nn.threads import over_rows
 
 
 def init_normal(rng: np.random.Generator, shape: tuple[int, ...], std: float,
@@ -177,32 +178,49 @@ class GELU(Module):
     """
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, GELUCache]:
-        # x (...) -> y (...); in place, so only t and y are allocated
-        t = x * x
-        t *= _GELU_K * _GELU_A
-        t += _GELU_K
-        t *= x  # k (x + a x^3)
-        np.tanh(t, out=t)
-        y = t + 1.0
-        y *= x
-        y *= 0.5
+        # x (...) -> y (...); t and y are the only arrays allocated
+        t, y = np.empty_like(x), np.empty_like(x)
+        over_rows(_gelu_forward, _rows(x), _rows(t), _rows(y))
         return y, GELUCache(x, t)
 
     def backward(self, dy: np.ndarray, cache: GELUCache) -> np.ndarray:
-        # dy (...) -> dx (...); in place, so only dx and one scratch array are allocated
+        # dy (...) -> dx (...); dx is the only array allocated
         x, t = cache
-        dx = x * x
-        dx *= 1.5 * _GELU_K * _GELU_A
-        dx += 0.5 * _GELU_K
-        dx *= x  # x/2 k (1 + 3 a x^2)
-        tmp = t * t
-        np.subtract(1.0, tmp, out=tmp)
-        dx *= tmp  # x/2 (1 - t^2) k (1 + 3 a x^2)
-        np.multiply(t, 0.5, out=tmp)
-        dx += tmp
-        dx += 0.5  # + (1 + t)/2
-        dx *= dy
+        dx = np.empty_like(x)
+        over_rows(_gelu_backward, _rows(x), _rows(t), _rows(dy), _rows(dx))
         return dx
+
+
+def _gelu_forward(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> None:
+    # rows of x -> t = tanh(k (x + a x^3)), y = x/2 (1 + t), written in place
+    np.multiply(x, x, out=t)
+    t *= _GELU_K * _GELU_A
+    t += _GELU_K
+    t *= x  # k (x + a x^3)
+    np.tanh(t, out=t)
+    np.add(t, 1.0, out=y)
+    y *= x
+    y *= 0.5
+
+
+def _gelu_backward(x: np.ndarray, t: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:
+    # rows -> dx = dy ((1 + t)/2 + x/2 (1 - t^2) k (1 + 3 a x^2)), one scratch block
+    np.multiply(x, x, out=dx)
+    dx *= 1.5 * _GELU_K * _GELU_A
+    dx += 0.5 * _GELU_K
+    dx *= x  # x/2 k (1 + 3 a x^2)
+    tmp = t * t
+    np.subtract(1.0, tmp, out=tmp)
+    dx *= tmp  # x/2 (1 - t^2) k (1 + 3 a x^2)
+    np.multiply(t, 0.5, out=tmp)
+    dx += tmp
+    dx += 0.5  # + (1 + t)/2
+    dx *= dy
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """(..., C) -> (N, C), a view: raises rather than copy (the arrays are fresh)."""
+    return np.reshape(a, (-1, a.shape[-1]), copy=False)
 
 
 # ---------------------------------------------------------------------------------

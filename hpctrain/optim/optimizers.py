@@ -17,6 +17,20 @@ from collections.abc import Iterable
 import numpy as np
 
 from hpctrain.nn.module import Parameter
+from hpctrain.nn.threads import over_rows
+
+PARALLEL_MIN_SIZE = 1 << 16  # elements: smaller parameters update on one thread
+
+
+def _elementwise(update, *arrays: np.ndarray) -> None:
+    """``update`` over flat views of same-shaped ``arrays``, split over the rank's
+    threads when they are large (``hpctrain.nn.threads``); each element is computed
+    alike either way, so the result is bitwise the same."""
+    flat = [np.reshape(a, -1, copy=False) for a in arrays]  # views: raises rather than copy
+    if flat[0].size >= PARALLEL_MIN_SIZE:
+        over_rows(update, *flat)
+    else:
+        update(*flat)
 
 
 class Optimizer:
@@ -106,22 +120,27 @@ class AdamW(Optimizer):
         step_size = lr / (1.0 - b1 ** self.t)
         rsqrt_bc2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
         for p, m, v, decay in zip(self.params, self.m, self.v, self.decay, strict=True):
-            g, tmp = p.grad, self._tmp(p)
-            if decay and self.weight_decay:
-                p.data *= 1.0 - lr * self.weight_decay
-            m *= b1
-            np.multiply(g, 1.0 - b1, out=tmp)
-            m += tmp
-            v *= b2
-            np.multiply(g, g, out=tmp)
-            tmp *= 1.0 - b2
-            v += tmp
-            np.sqrt(v, out=tmp)
-            tmp *= rsqrt_bc2
-            tmp += self.eps  # sqrt(v_hat) + eps
-            np.divide(m, tmp, out=tmp)
-            tmp *= step_size
-            p.data -= tmp
+            shrink = 1.0 - lr * self.weight_decay if decay and self.weight_decay else 1.0
+
+            def update(data, g, m, v, tmp, shrink=shrink):
+                # one block of elements: every array is a flat slice of the same range
+                if shrink != 1.0:
+                    data *= shrink
+                m *= b1
+                np.multiply(g, 1.0 - b1, out=tmp)
+                m += tmp
+                v *= b2
+                np.multiply(g, g, out=tmp)
+                tmp *= 1.0 - b2
+                v += tmp
+                np.sqrt(v, out=tmp)
+                tmp *= rsqrt_bc2
+                tmp += self.eps  # sqrt(v_hat) + eps
+                np.divide(m, tmp, out=tmp)
+                tmp *= step_size
+                data -= tmp
+
+            _elementwise(update, p.data, p.grad, m, v, self._tmp(p))
 
 
 class SGD(Optimizer):

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain import trace
+
 _OPS = ("sum", "max")
 
 
@@ -88,11 +90,13 @@ class CountingComm:
     ``Reduce_scatter_block``) plus ``Get_size``, ``Get_rank`` and the pickle
     ``allgather``/``allreduce`` (not counted: small metadata). ``bytes_sent`` follows
     the ring model of the module docstring; ``calls`` counts buffer collectives.
-    ``reset()`` starts a new tally (the engine does so at every step).
+    ``reset()`` starts a new tally (the engine does so at every step). Each buffer
+    collective is a trace span of category ``cat``.
     """
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Any, cat: str = "tp_comm"):
         self.comm = comm
+        self.cat = cat
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.bytes_sent = 0.0
@@ -115,15 +119,18 @@ class CountingComm:
     def Allreduce(self, sendbuf, recvbuf, op) -> None:
         p = self.size
         self._count(2.0 * (p - 1) / p * np.asarray(recvbuf).nbytes)
-        self.comm.Allreduce(sendbuf, recvbuf, op=op)
+        with trace.span("all_reduce", self.cat, bytes=np.asarray(recvbuf).nbytes):
+            self.comm.Allreduce(sendbuf, recvbuf, op=op)
 
     def Allgather(self, sendbuf, recvbuf) -> None:
         self._count((self.size - 1) * np.asarray(sendbuf).nbytes)
-        self.comm.Allgather(sendbuf, recvbuf)
+        with trace.span("all_gather", self.cat, bytes=np.asarray(recvbuf).nbytes):
+            self.comm.Allgather(sendbuf, recvbuf)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op) -> None:
         self._count((self.size - 1) * np.asarray(recvbuf).nbytes)
-        self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
+        with trace.span("reduce_scatter", self.cat, bytes=np.asarray(sendbuf).nbytes):
+            self.comm.Reduce_scatter_block(sendbuf, recvbuf, op=op)
 
     def allgather(self, obj):
         return self.comm.allgather(obj)

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain import trace
 from hpctrain.optim import clip
 
 MiB = 1 << 20
@@ -190,6 +191,7 @@ class GradBuckets:
         self._reported: set[int] = set()
         self._next = 0  # the next bucket to launch
         self._requests: list = []  # touched by the helper while it runs, else by wait
+        self._launched: list[tuple[int, float]] = []  # (bucket, launch time) in flight
         self.early = 0
 
     def zero(self) -> None:
@@ -254,6 +256,7 @@ class GradBuckets:
             request = self.launch(b, self.bucket_view(b))
             if request is not None:
                 self._requests.append(request)
+                self._launched.append((b.index, time.perf_counter()))
 
     def _test(self) -> bool:
         """Whether every request launched so far is complete (testing moves them)."""
@@ -261,7 +264,17 @@ class GradBuckets:
             return True
         from mpi4py import MPI
 
-        return MPI.Request.Testall(self._requests)
+        done = MPI.Request.Testall(self._requests)
+        if done:
+            self._trace_completed()
+        return done
+
+    def _trace_completed(self) -> None:
+        """A span per bucket in flight, from its launch to now (seen complete)."""
+        now = time.perf_counter()
+        for index, start in self._launched:
+            trace.active().add(f"bucket {index}", "dp_comm", start, now, bucket=index)
+        self._launched = []
 
     def wait(self) -> None:
         """Launch the buckets not yet launched, wait for all: the gradients are reduced.
@@ -279,10 +292,14 @@ class GradBuckets:
         in_flight = self._requests
         for b in self.buckets[self._next:]:
             _wait_all(in_flight)
+            self._trace_completed()
             request = self.launch(b, self.bucket_view(b))
             in_flight = [] if request is None else [request]
+            if request is not None:
+                self._launched.append((b.index, time.perf_counter()))
         self._next = len(self.buckets)
         _wait_all(in_flight)
+        self._trace_completed()
         self._requests = []
         self.wait_s += time.perf_counter() - t0
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain import trace
 from hpctrain.models.build import build_model
 from hpctrain.models.gpt import GPT
 from hpctrain.optim import clip
@@ -71,8 +72,10 @@ class LocalEngine:
         total = 0.0
         m = self.microbatches
         for i, (xs, ys) in enumerate(zip(np.split(x, m), np.split(y, m), strict=True)):
-            loss, cache = self.model.forward(xs, ys)
-            self.backward(cache, scale / m, last=i == m - 1)
+            with trace.span("F", "compute", mb=i, chunk=0):
+                loss, cache = self.model.forward(xs, ys)
+            with trace.span("B", "compute", mb=i, chunk=0):
+                self.backward(cache, scale / m, last=i == m - 1)
             total += loss / m
         return total
 

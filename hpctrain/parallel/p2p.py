@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain import trace
+
 FORWARD, BACKWARD = 0, 1
 
 
@@ -62,25 +64,29 @@ class P2P:
         """Chunk ``k``'s output activation to chunk ``k + 1`` (nothing on the last chunk)."""
         if k == self.n_chunks - 1:
             return
-        self._send(y, self._rank_of(k + 1), self._tag(mb, k + 1, FORWARD))
+        with trace.span("send_forward", "pp_wait", mb=mb, chunk=k):
+            self._send(y, self._rank_of(k + 1), self._tag(mb, k + 1, FORWARD))
 
     def recv_forward(self, shape: tuple[int, ...], k: int, mb: int) -> np.ndarray | None:
         """Chunk ``k``'s input activation from chunk ``k - 1`` (None on the first chunk)."""
         if k == 0:
             return None
-        return self._recv(shape, self._rank_of(k - 1), self._tag(mb, k, FORWARD))
+        with trace.span("recv_forward", "pp_wait", mb=mb, chunk=k):
+            return self._recv(shape, self._rank_of(k - 1), self._tag(mb, k, FORWARD))
 
     def send_backward(self, dx: np.ndarray, k: int, mb: int) -> None:
         """The gradient of chunk ``k``'s input to chunk ``k - 1`` (nothing on the first)."""
         if k == 0:
             return
-        self._send(dx, self._rank_of(k - 1), self._tag(mb, k - 1, BACKWARD))
+        with trace.span("send_backward", "pp_wait", mb=mb, chunk=k):
+            self._send(dx, self._rank_of(k - 1), self._tag(mb, k - 1, BACKWARD))
 
     def recv_backward(self, shape: tuple[int, ...], k: int, mb: int) -> np.ndarray | None:
         """The gradient of chunk ``k``'s output from chunk ``k + 1`` (None on the last)."""
         if k == self.n_chunks - 1:
             return None
-        return self._recv(shape, self._rank_of(k + 1), self._tag(mb, k, BACKWARD))
+        with trace.span("recv_backward", "pp_wait", mb=mb, chunk=k):
+            return self._recv(shape, self._rank_of(k + 1), self._tag(mb, k, BACKWARD))
 
     # ---- buffers and requests -----------------------------------------------------
 
@@ -94,7 +100,8 @@ class P2P:
         from mpi4py import MPI
 
         t0 = time.perf_counter()
-        MPI.Request.Waitall([req for req, _ in self._sends])
+        with trace.span("wait_sends", "pp_wait"):
+            MPI.Request.Waitall([req for req, _ in self._sends])
         self.idle_s += time.perf_counter() - t0
         self._sends.clear()
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain import trace
 from hpctrain.optim import clip
 from hpctrain.parallel import stages
 from hpctrain.parallel.p2p import P2P
@@ -206,7 +207,8 @@ class Stage:
     def forward_step(self, i: int, x: np.ndarray | None, c: int = 0) -> np.ndarray | None:
         t0 = time.thread_time()
         chunk = self.parts[c]
-        out, cache = chunk.forward(self.xs[i] if x is None else x, self.ys[i])
+        with trace.span("F", "compute", mb=i, chunk=self.chunk_index(c)):
+            out, cache = chunk.forward(self.xs[i] if x is None else x, self.ys[i])
         if chunk.head is not None:
             self.loss_sum += out / len(self.xs)
             out = None
@@ -224,7 +226,8 @@ class Stage:
         chunk = self.parts[c]
         cache, x = self.caches.pop((c, i))
         self.live -= 1
-        dx = chunk.backward(self.dloss if chunk.head is not None else dy, cache)
+        with trace.span("B", "compute", mb=i, chunk=self.chunk_index(c)):
+            dx = chunk.backward(self.dloss if chunk.head is not None else dy, cache)
         self.p2p.release(x)
         self.p2p.release(dy)
         self.trace.append(("B", self.chunk_index(c), i, time.thread_time() - t0))
@@ -339,7 +342,8 @@ class PipelineEngine:
         buf = np.array([self.stage.loss_sum], np.float64)
         t0 = time.perf_counter()
         if self.pp_size > 1:
-            self.pp_comm.Bcast(buf, root=self.pp_size - 1)
+            with trace.span("loss_bcast", "pp_wait"):
+                self.pp_comm.Bcast(buf, root=self.pp_size - 1)
         self.p2p.idle_s += time.perf_counter() - t0
         return float(buf[0])
 
@@ -350,7 +354,8 @@ class PipelineEngine:
         other = self.pp_size - 1 - self.pp_rank
         for p in self.tied:
             theirs = np.empty_like(p.grad)
-            self.pp_comm.Sendrecv(p.grad, dest=other, recvbuf=theirs, source=other)
+            with trace.span("tied_grads", "pp_wait", bytes=theirs.nbytes):
+                self.pp_comm.Sendrecv(p.grad, dest=other, recvbuf=theirs, source=other)
             p.grad += theirs  # a + b on one rank, b + a on the other: the same bits
 
     def grad_norm(self) -> float:

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain import trace
 from hpctrain.nn.module import Parameter
 from hpctrain.optim import clip
 from hpctrain.parallel.data import POLL_INTERVAL, GradBuckets, state_nbytes
@@ -214,10 +215,11 @@ class ZeroDataParallel:
         if self.dp_size > 1:
             from mpi4py import MPI
 
-            requests = [self.dp_comm.Iallgather(MPI.IN_PLACE,
-                                                self.param_flat[b.dtype][b.start:b.stop])
-                        for b in self.grads.buckets]
-            MPI.Request.Waitall(requests)
+            with trace.span("zero_gather", "dp_comm"):
+                requests = [self.dp_comm.Iallgather(MPI.IN_PLACE,
+                                                    self.param_flat[b.dtype][b.start:b.stop])
+                            for b in self.grads.buckets]
+                MPI.Request.Waitall(requests)
         self.gather_s = time.perf_counter() - t0
 
     def memory(self) -> dict[str, int]:

@@ -1,0 +1,203 @@
+"""The benchmark GPT at several layouts: throughput, model FLOP/s and MFU against the
+GEMM peak each rank measures in the same run, and where the step time goes.
+
+    hpctrain bench                        the driver: one MPI job per layout, the table
+    python -m mpi4py -m hpctrain.bench    one layout, on the ranks of an MPI job
+
+The benchmark GPT: 6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256,
+global batch 8 sequences (2,048 tokens a step), float32, AdamW.
+
+Model FLOPs of a step (``model_flops``) count the matrix products the model defines,
+forward ``2 m n k`` per product, backward twice the forward:
+
+    per token and layer, forward:  2 (3 C^2 + C^2 + 2 C F)    qkv, proj, fc, fc-proj
+                                   + 2 (2 T C)                 S = q k^T and P v
+    per token, head:               2 C V
+
+with ``C`` = d_model, ``F`` = the MLP width, ``T`` = sequence length, ``V`` =
+vocabulary. Attention counts the whole ``T x T`` products, the masked half included,
+because the batched products compute them. The same count holds at every layout: MFU
+says how much of the machine's matrix-multiply rate the *model* gets, so recomputation,
+communication and bubbles all lower it.
+
+MFU = (model FLOPs of a step / median step time) / (sum over ranks of each rank's
+float32 GEMM rate), the rate measured by every rank at once with its own BLAS threads,
+just before training, so both figures come from the same machine state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpctrain import config as config_mod
+from hpctrain.config import ModelConfig
+
+BENCH_CONFIG: dict[str, dict[str, Any]] = {
+    "model": {"kind": "gpt", "vocab_size": 256, "seq_len": 256, "n_layer": 6,
+              "n_head": 6, "d_model": 384, "dtype": "float32"},
+    "train": {"batch_size": 8, "optimizer": "adamw", "lr": 3e-4, "warmup_steps": 2,
+              "eval_interval": 0, "log_interval": 1, "seed": 1234},
+    "data": {"path": "data/shakespeare.h5"},
+}
+
+# name -> (ranks, parallel overrides)
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "serial": (1, {}),
+    "dp2": (2, {"dp": 2}),
+    "tp2": (2, {"tp": 2}),
+    "pp2": (2, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
+}
+
+GEMM_N = 2048  # the peak's square matrices: large enough for BLAS to reach its rate
+
+
+def model_flops(m: ModelConfig, sequences: int) -> float:
+    """FLOPs of one training step (forward + backward) over ``sequences`` of m.seq_len."""
+    C, F, T, V = m.d_model, m.ffn_dim, m.seq_len, m.vocab_size
+    per_token_layer = 2 * (3 * C * C + C * C + 2 * C * F) + 2 * (2 * T * C)
+    forward = sequences * T * (m.n_layer * per_token_layer + 2 * C * V)
+    return 3.0 * forward
+
+
+def gemm_peak(n: int = GEMM_N, repeats: int = 5) -> float:
+    """This process's best float32 ``(n, n) @ (n, n)`` rate, FLOP/s, over ``repeats``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    out = np.empty((n, n), np.float32)
+    np.matmul(a, b, out=out)  # warm-up: threads started, pages touched
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def layout_config(layout: str, *, data: str, steps: int, run_dir: str, row_threads: int = 0):
+    """The benchmark config for one of ``LAYOUTS`` (validated for its rank count)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout ({layout!r}) must be one of {', '.join(LAYOUTS)}")
+    ranks, parallel = LAYOUTS[layout]
+    raw = {section: dict(values) for section, values in BENCH_CONFIG.items()}
+    raw["parallel"] = dict(parallel)
+    raw["train"] |= {"steps": steps, "run_dir": run_dir, "row_threads": row_threads}
+    raw["data"] |= {"path": data}
+    return config_mod.from_dict(raw, source=f"benchmark layout {layout}").validate(ranks)
+
+
+def summarise(records: list[dict], warmup: int, flops: float, peaks: list[float],
+              tokens: int) -> dict[str, Any]:
+    """The figures of one layout from its per-step records (steps after ``warmup``)."""
+    timed = [r for r in records if "loss" in r and r["step"] > warmup]
+    if not timed:
+        raise ValueError(f"no step after the {warmup} warm-up steps was recorded")
+    step_s = statistics.median(r["step_time_s"] for r in timed)
+    breakdown = {c: statistics.fmean(r["time_s"][c] for r in timed) for c in timed[0]["time_s"]}
+    peak = sum(peaks)
+    return {"steps_timed": len(timed), "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+            "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
+            "peak_flops_per_s": peak, "peak_flops_per_rank": peaks, "mfu": flops / step_s / peak,
+            "time_s": breakdown, "final_loss": timed[-1]["loss"]}
+
+
+def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, out_dir: str,
+               trace: bool = False, row_threads: int = 0) -> dict[str, Any] | None:
+    """Measure the GEMM peak on every rank at once, then train ``steps`` steps of the
+    benchmark GPT; rank 0 writes and returns the layout's figures. Collective."""
+    from hpctrain.runtime import set_blas_threads, startup_check
+    from hpctrain.slurm.placement import blas_threads_per_rank
+    from hpctrain.train import train
+
+    run_dir = str(Path(out_dir) / layout)
+    cfg = startup_check(comm, lambda: layout_config(layout, data=data, steps=steps,
+                                                    run_dir=run_dir, row_threads=row_threads))
+    if comm.Get_size() != LAYOUTS[layout][0]:
+        raise ValueError(f"layout {layout} needs {LAYOUTS[layout][0]} rank(s), "
+                         f"not {comm.Get_size()}")
+    # the same thread count train() will choose, for the peak as for the run
+    threads = set_blas_threads(blas_threads_per_rank(_ranks_on_node(comm)))
+    comm.Barrier()
+    peaks = comm.allgather(gemm_peak())
+    trace_path = str(Path(run_dir) / "trace.json") if trace else None
+    train(cfg, comm, quiet=True, trace_path=trace_path)
+    if comm.Get_rank() != 0:
+        return None
+    from hpctrain.metrics import read_metrics
+
+    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    result = {"layout": layout, "ranks": comm.Get_size(), "blas_threads": threads,
+              "row_threads": row_threads or threads,
+              "parallel": LAYOUTS[layout][1], "warmup_steps": warmup,
+              **summarise(records, warmup, model_flops(cfg.model, cfg.train.batch_size),
+                          peaks, tokens)}
+    if trace_path:
+        result["trace"] = trace_path
+    Path(out_dir, f"{layout}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _ranks_on_node(comm: Any) -> int:
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    n = node.Get_size()
+    node.Free()
+    return n
+
+
+# ---------------------------------------------------------------------------------
+# the table
+
+COLUMNS = ("compute", "tp_comm", "pp_wait", "dp_comm", "optimizer", "data", "other")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The printed table: one row per layout; the breakdown in % of the mean step (the
+    sum of its categories, averaged over ranks and timed steps)."""
+    head = (f"{'layout':<8} {'ranks':>5} {'ms/step':>8} {'tok/s':>7} {'GFLOP/s':>8} "
+            f"{'peak':>6} {'MFU':>6} | " + " ".join(f"{c:>9}" for c in COLUMNS))
+    lines = [head, "-" * len(head)]
+    for r in results:
+        step = r["step_time_s"]
+        whole = sum(r["time_s"].values()) or 1.0  # the mean step the breakdown adds up to
+        shares = " ".join(f"{100 * r['time_s'].get(c, 0.0) / whole:>8.1f}%" for c in COLUMNS)
+        lines.append(f"{r['layout']:<8} {r['ranks']:>5} {1e3 * step:>8.0f} "
+                     f"{r['tokens_per_s']:>7.0f} {r['model_flops_per_s'] / 1e9:>8.1f} "
+                     f"{r['peak_flops_per_s'] / 1e9:>6.0f} {100 * r['mfu']:>5.1f}% | {shares}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One layout on the ranks of this MPI job (what ``hpctrain bench`` launches)."""
+    parser = argparse.ArgumentParser(prog="python -m mpi4py -m hpctrain.bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("layout", choices=list(LAYOUTS))
+    parser.add_argument("--data", default=BENCH_CONFIG["data"]["path"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--row-threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    from mpi4py import MPI
+
+    from hpctrain.runtime import abort_on_error
+
+    comm = MPI.COMM_WORLD
+    with abort_on_error(comm):
+        run_layout(comm, args.layout, data=args.data, steps=args.steps, warmup=args.warmup,
+                   out_dir=args.out, trace=args.trace, row_threads=args.row_threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""``hpctrain plot``: loss curves and the executed pipeline schedule as PNG files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command(name="plot")
+@click.argument("run", required=False, type=click.Path(exists=True))
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              help="Chrome trace from 'hpctrain train --trace': also draw pipeline.png.")
+@click.option("--step", type=int, help="Step of the trace to draw (default: the last).")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Folder for the PNG files (default: the run folder, or the trace's).")
+def plot(run: str | None, trace_path: str | None, step: int | None, out: str | None) -> None:
+    """Write RUN/loss.png from RUN/metrics.jsonl (RUN: a run folder or the file), and
+    with --trace, pipeline.png: every rank's forward and backward boxes of one step.
+
+    \b
+    Examples:
+      hpctrain plot runs/demo
+      hpctrain plot runs/trace --trace runs/trace/trace.json --step 3
+    """
+    from hpctrain import plot as plots
+
+    if run is None and trace_path is None:
+        raise click.UsageError("give a run folder or metrics.jsonl, or --trace, or both")
+    if run is not None:
+        metrics = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+        if not metrics.is_file():
+            raise click.BadParameter(f"{metrics} does not exist (a run folder holds "
+                                     f"metrics.jsonl)", param_hint="RUN")
+        from hpctrain.metrics import read_metrics
+
+        records = read_metrics(metrics)
+        if not records:
+            raise click.BadParameter(f"{metrics} has no records", param_hint="RUN")
+        folder = Path(out) if out else metrics.parent
+        try:
+            click.echo(plots.plot_losses(records, folder / "loss.png", title=str(metrics.parent)))
+        except (ValueError, RuntimeError) as err:
+            raise click.ClickException(str(err)) from None
+    if trace_path is not None:
+        try:
+            trace = json.loads(Path(trace_path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise click.BadParameter(f"{trace_path} is not JSON: {err}",
+                                     param_hint="--trace") from None
+        folder = Path(out) if out else (Path(run) if run and Path(run).is_dir()
+                                        else Path(trace_path).parent)
+        try:
+            click.echo(plots.plot_pipeline(trace, folder / "pipeline.png", step=step))
+        except (ValueError, RuntimeError) as err:
+            raise click.ClickException(f"{trace_path}: {err}") from None

@@ -1,0 +1,175 @@
+"""The tracer's accounting, the element-wise threads, the plot command and the
+benchmark's FLOP count (serial; the multi-rank trace is tests/mpi/test_trace_mpi.py)."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hpctrain import trace
+from hpctrain.bench import model_flops, summarise
+from hpctrain.cli import main
+from hpctrain.config import ModelConfig
+from hpctrain.nn import GELU, CausalSelfAttention
+from hpctrain.nn import threads as nn_threads
+from hpctrain.testing import run_train, tiny_corpus_config
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+TINY = """
+[model]
+kind = "gpt"
+vocab_size = 256
+seq_len = 16
+n_layer = 2
+n_head = 2
+d_model = 16
+
+[train]
+steps = 4
+batch_size = 4
+eval_interval = 2
+eval_batches = 2
+warmup_steps = 1
+
+[data]
+path = "{data}"
+"""
+
+
+# ---- the tracer -------------------------------------------------------------------
+
+
+def test_nested_spans_count_exclusively_and_add_up():
+    tracer = trace.Tracer()
+    with trace.recording(tracer):
+        t0 = time.perf_counter()
+        with trace.span("step", "other"):
+            with trace.span("F", "compute", mb=0):
+                time.sleep(0.02)
+                with trace.span("all_reduce", "tp_comm"):
+                    time.sleep(0.03)
+            with trace.span("optimizer", "optimizer"):
+                time.sleep(0.01)
+        wall = time.perf_counter() - t0
+    totals = tracer.take_totals()
+    assert 0.03 <= totals["tp_comm"] < 0.045
+    assert 0.02 <= totals["compute"] < 0.035  # not also the nested all-reduce
+    assert sum(totals.values()) == pytest.approx(wall, rel=0.05)
+    assert tracer.take_totals() == dict.fromkeys(trace.CATEGORIES, 0.0)  # reset
+    assert [e[0] for e in tracer.events] == ["all_reduce", "F", "optimizer", "step"]
+    assert trace.active().span("x", "compute") is trace.active().span("y", "data")  # null
+
+
+def test_helper_thread_spans_are_traced_but_not_counted():
+    tracer = trace.Tracer()
+
+    def work():
+        with trace.span("bucket 0", "dp_comm"):
+            time.sleep(0.01)
+
+    with trace.recording(tracer):
+        helper = threading.Thread(target=work, name="helper")
+        helper.start()
+        helper.join()
+    assert tracer.take_totals()["dp_comm"] == 0.0
+    events = tracer.chrome_events(0, "rank 0")
+    spans = [e for e in events if e["ph"] == "X"]
+    assert [(e["name"], e["tid"]) for e in spans] == [("bucket 0", 1)]
+    assert {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1,
+            "args": {"name": "helper"}} in events
+
+
+# ---- element-wise threads ----------------------------------------------------------
+
+
+def test_threaded_kernels_are_bitwise_the_single_thread_ones():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64, 48)).astype(np.float32)
+    attn = CausalSelfAttention(48, 4, rng=rng)
+    results = []
+    for n in (1, 2, 3):
+        nn_threads.set_threads(n)
+        y, gc = GELU().forward(x)
+        a, ac = attn.forward(x)
+        results.append((y, GELU().backward(x, gc), a, attn.backward(x, ac)))
+    nn_threads.set_threads(1)
+    for other in results[1:]:
+        for got, want in zip(other, results[0], strict=True):
+            assert np.array_equal(got, want)
+
+
+# ---- the benchmark's figures ---------------------------------------------------------
+
+
+def test_model_flops_counts_every_matrix_product():
+    m = ModelConfig(vocab_size=10, seq_len=4, n_layer=1, n_head=1, d_model=2, d_ff=3)
+    # per token: qkv 2*2*6, proj 2*2*2, fc 2*2*3, fc-proj 2*3*2, S 2*4*2, PV 2*4*2, head 2*2*10
+    forward_per_token = 24 + 8 + 12 + 12 + 16 + 16 + 40
+    assert model_flops(m, sequences=5) == 3 * 5 * 4 * forward_per_token
+
+
+def test_summarise_leaves_out_the_warmup():
+    records = [{"step": s, "loss": 1.0, "step_time_s": t, "time_s": {"compute": t}}
+               for s, t in [(1, 9.0), (2, 2.0), (3, 1.0), (4, 3.0)]]
+    out = summarise(records, warmup=1, flops=100.0, peaks=[10.0, 15.0], tokens=50)
+    assert out["step_time_s"] == 2.0 and out["steps_timed"] == 3
+    assert out["mfu"] == pytest.approx(100.0 / 2.0 / 25.0)
+    assert out["time_s"]["compute"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="after the 4 warm-up steps"):
+        summarise(records, warmup=4, flops=1.0, peaks=[1.0], tokens=1)
+
+
+def test_bench_refuses_a_missing_dataset(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "--data", str(tmp_path / "none.h5")])
+    assert result.exit_code == 2
+    assert "none.h5 does not exist" in result.output and "make data" in result.output
+
+
+# ---- plots ---------------------------------------------------------------------------
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_writes_loss_and_schedule_pngs_of_a_traced_run(tmp_path):
+    cfg = tiny_corpus_config(tmp_path, TINY, "the quality of mercy is not strained", 300)
+    run = tmp_path / "run"
+    done = run_train(1, cfg, run, "--trace", str(run / "trace.json"), "--quiet")
+    assert done.returncode == 0, done.stderr
+    result = CliRunner().invoke(main, ["plot", str(run), "--trace", str(run / "trace.json")])
+    assert result.exit_code == 0, result.output
+    for name in ("loss.png", "pipeline.png"):
+        width, height = _png_size(run / name)
+        assert width > 400 and height > 200
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert all(set(r["time_s"]) == set(trace.CATEGORIES) for r in records if "loss" in r)
+
+
+def test_plot_errors_name_the_value(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["plot", str(tmp_path)])
+    assert result.exit_code != 0 and "metrics.jsonl does not exist" in result.output
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"traceEvents": [], "otherData": {"format": "x"}}))
+    result = runner.invoke(main, ["plot", "--trace", str(bad)])
+    assert result.exit_code != 0 and "'x' is not 'hpctrain-trace'" in result.output
+    good = {"traceEvents": [{"ph": "X", "name": "F", "cat": "compute", "pid": 0, "tid": 0,
+                             "ts": 0, "dur": 5, "args": {"step": 1, "mb": 0}}],
+            "otherData": {"format": "hpctrain-trace"}}
+    bad.write_text(json.dumps(good))
+    result = runner.invoke(main, ["plot", "--trace", str(bad), "--step", "7"])
+    assert result.exit_code != 0 and "step 7 is not in the trace (steps 1..1)" in result.output
+
+
+def test_importing_the_plot_module_does_not_import_matplotlib():
+    code = "import hpctrain.plot, hpctrain.cli, sys; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
