@@ -118,6 +118,7 @@ def train(config_path: str, quiet: bool, resume: str | None, trace_path: str | N
 
         summary = run_training(cfg, comm, quiet=quiet, resume=resume,
                                trace_path=trace_path)
+    preempt.ignore()  # the run is over, saved or finished: a late signal changes nothing
     if summary.preempted:
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
 

@@ -29,6 +29,17 @@ def install() -> None:
         signal.signal(sig, _handler)
 
 
+def ignore() -> None:
+    """Ignore SIGUSR1 and SIGTERM from now on: the run has ended, nothing is left to save.
+
+    A signal that comes late (``--signal=USR1@N`` as the last step ends) must not kill
+    a finished run in its shutdown: Python resets its own handlers to the default, which
+    for SIGUSR1 kills the process, but keeps an ignored signal ignored.
+    """
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def received() -> bool:
     """Whether this rank has been signalled (local, no communication)."""
     return bool(_received)

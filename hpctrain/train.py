@@ -288,7 +288,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         _write_trace(cfg, comm, topo, tracer, trace_path, None if quiet else writer)
     if writer is not None:
         if not quiet:
-            writer.say(f"done: {t.steps} steps in {seconds:.1f} s; metrics in {writer.path}")
+            ran = f"stopped after step {step} of {t.steps}" if preempted else f"{t.steps} steps"
+            writer.say(f"done: {ran} in {seconds:.1f} s; metrics in {writer.path}")
         writer.close()
     topo.free()
     return Summary(losses, val_losses, accuracy, seconds, preempted)

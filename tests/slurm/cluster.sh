@@ -24,6 +24,10 @@ install() {
 
 write_conf() {
   local user; user=$(id -un)
+  # job ids differ from one start to the next: MPICH names its shared-memory segments
+  # after the job step, and a segment left by a killed job would be joined by the next
+  # job with the same id (MPI_Init then fails: "failed to unpack address", "truncated")
+  local first_job_id=$(( ($(date +%s) % 100000) * 100 + 1 ))
   cat > "$dir/slurm.conf" <<CONF
 ClusterName=hpctrain-test
 SlurmctldHost=localhost(127.0.0.1)
@@ -51,6 +55,7 @@ SchedulerParameters=sched_interval=2,bf_interval=2
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
+FirstJobId=$first_job_id
 MailProg=/bin/true
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
