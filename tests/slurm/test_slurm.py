@@ -127,7 +127,7 @@ def test_chain_runs_train_after_prep_and_exit_codes_propagate(cluster, tmp_path)
 
 def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster, text_data,
                                                                         tmp_path):
-    steps = 600  # about 3 s of training: the signal lands mid-run, after step 8
+    steps = 600  # 3 to 5 s of training: the signal lands mid-run, after step 8
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_GPT.format(steps=steps, data=text_data))
     common = [f"--chdir={tmp_path}", "--ntasks-per-node=2"]
