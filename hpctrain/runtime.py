@@ -107,3 +107,32 @@ def set_blas_threads(threads: int) -> int:
     threadpool_limits(limits=threads, user_api="blas")
     nn_threads.set_threads(threads)  # element-wise work follows the BLAS pool
     return threads
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # the largest value glibc accepts on 64-bit
+
+
+def keep_freed_memory() -> bool:
+    """Make freed arrays stay in this process for the next step to reuse; True if set.
+
+    A training step allocates hundreds of MB of activations and frees them all at the
+    end of backward. By default glibc hands that memory back to the kernel (trimming
+    the heap, unmapping large blocks), so the next step page-faults every page in
+    again: on the benchmark GPT that is 60,000 faults and about a third of the step.
+    Here the heap is never trimmed and blocks up to 32 MB come from the heap, so after
+    the first step the arrays reuse memory already mapped, as a caching allocator does.
+    The process keeps its peak memory until it exits. A no-op without glibc.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    return bool(ok)
+

@@ -29,7 +29,7 @@ from hpctrain.optim.optimizers import SGD, AdamW
 from hpctrain.parallel.data import DataParallel
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
-from hpctrain.runtime import set_blas_threads, startup_check
+from hpctrain.runtime import keep_freed_memory, set_blas_threads, startup_check
 from hpctrain.slurm.placement import blas_threads_per_rank, node_layout, tensor_group_warning
 
 
@@ -211,6 +211,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     nodes = node_layout(comm, topo.tp_comm)
     threads = set_blas_threads(cfg.train.blas_threads
                                or blas_threads_per_rank(nodes.ranks_on_node))
+    keep_freed_memory()
     if cfg.train.row_threads:
         nn_threads.set_threads(cfg.train.row_threads)
     loader, val = startup_check(comm, lambda: _open_data(cfg, topo))

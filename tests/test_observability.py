@@ -104,6 +104,40 @@ def test_threaded_kernels_are_bitwise_the_single_thread_ones():
             assert np.array_equal(got, want)
 
 
+# ---- memory kept between steps -------------------------------------------------------
+
+_FAULTS_PER_ROUND = """
+import resource, sys
+import numpy as np
+from hpctrain.runtime import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+rounds = []
+for _ in range(3):  # a step's worth of activations: allocated, touched, all freed
+    before = faults()
+    arrays = [np.ones((1024, 1024), np.float32) for _ in range(40)]  # 40 x 4 MB
+    del arrays
+    rounds.append(faults() - before)
+print(*rounds)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_kept_memory_is_not_faulted_in_again_the_next_step():
+    def rounds(mode):
+        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_ROUND, mode], check=True,
+                             capture_output=True, text=True, timeout=60).stdout
+        return [int(n) for n in out.split()]
+
+    pages = 40 * 4 * 2**20 // 4096
+    default, kept = rounds("default"), rounds("keep")
+    assert min(default[1:]) > pages // 2  # glibc gives it back: every step faults again
+    assert kept[0] > pages // 2  # the first step maps its memory once ...
+    assert max(kept[1:]) < pages // 20  # ... and later steps reuse it
+
+
 # ---- the benchmark's figures ---------------------------------------------------------
 
 
