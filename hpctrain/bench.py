@@ -20,9 +20,15 @@ because the batched products compute them. The same count holds at every layout:
 says how much of the machine's matrix-multiply rate the *model* gets, so recomputation,
 communication and bubbles all lower it.
 
-MFU = (model FLOPs of a step / median step time) / (sum over ranks of each rank's
-float32 GEMM rate), the rate measured by every rank at once with its own BLAS threads,
-just before training, so both figures come from the same machine state.
+MFU compares each step with the machine's matrix-multiply rate *at that moment*: every
+rank measures its float32 GEMM rate (with its own BLAS threads, all ranks at once)
+before the first step and again after every step, outside the step's timing. A step's
+peak is the mean of the probes just before and just after it, summed over ranks, and
+
+    MFU = median over the timed steps of (model FLOPs of a step / step time) / its peak
+
+A shared machine's rate drifts by 20% over seconds; one probe before the run would
+make the figure depend on the moment it was taken.
 """
 
 from __future__ import annotations
@@ -67,19 +73,25 @@ def model_flops(m: ModelConfig, sequences: int) -> float:
     return 3.0 * forward
 
 
-def gemm_peak(n: int = GEMM_N, repeats: int = 5) -> float:
-    """This process's best float32 ``(n, n) @ (n, n)`` rate, FLOP/s, over ``repeats``."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    out = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=out)  # warm-up: threads started, pages touched
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+class GemmProbe:
+    """This process's float32 ``(n, n) @ (n, n)`` rate; the matrices are made once."""
+
+    def __init__(self, n: int = GEMM_N):
+        rng = np.random.default_rng(0)
+        self.n = n
+        self.a = rng.standard_normal((n, n), dtype=np.float32)
+        self.b = rng.standard_normal((n, n), dtype=np.float32)
+        self.out = np.empty((n, n), np.float32)
+
+    def rate(self, repeats: int = 3) -> float:
+        """The best FLOP/s over ``repeats`` products, after one warm-up product."""
+        np.matmul(self.a, self.b, out=self.out)  # warm-up: threads started, caches filled
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.matmul(self.a, self.b, out=self.out)
+            best = min(best, time.perf_counter() - t0)
+        return 2.0 * self.n**3 / best
 
 
 def layout_config(layout: str, *, data: str, steps: int, run_dir: str, row_threads: int = 0):
@@ -94,19 +106,31 @@ def layout_config(layout: str, *, data: str, steps: int, run_dir: str, row_threa
     return config_mod.from_dict(raw, source=f"benchmark layout {layout}").validate(ranks)
 
 
-def summarise(records: list[dict], warmup: int, flops: float, peaks: list[float],
+def summarise(records: list[dict], warmup: int, flops: float, first_peaks: list[float],
               tokens: int) -> dict[str, Any]:
-    """The figures of one layout from its per-step records (steps after ``warmup``)."""
-    timed = [r for r in records if "loss" in r and r["step"] > warmup]
+    """The figures of one layout from its per-step records (steps after ``warmup``).
+
+    ``first_peaks``: each rank's GEMM rate measured before step 1; every step's record
+    carries ``gemm_flops_per_rank``, measured after it (see the module's MFU).
+    """
+    steps = [r for r in records if "loss" in r]
+    before = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps[:-1]]
+    timed = [(r, 0.5 * (sum(b) + sum(r["gemm_flops_per_rank"])))
+             for r, b in zip(steps, before, strict=True) if r["step"] > warmup]
     if not timed:
         raise ValueError(f"no step after the {warmup} warm-up steps was recorded")
-    step_s = statistics.median(r["step_time_s"] for r in timed)
-    breakdown = {c: statistics.fmean(r["time_s"][c] for r in timed) for c in timed[0]["time_s"]}
-    peak = sum(peaks)
+    step_s = statistics.median(r["step_time_s"] for r, _ in timed)
+    mfu = statistics.median(flops / r["step_time_s"] / peak for r, peak in timed)
+    breakdown = {c: statistics.fmean(r["time_s"][c] for r, _ in timed)
+                 for c in timed[0][0]["time_s"]}
+    probes = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps]
+    per_rank = [statistics.median(p[rank] for p in probes) for rank in range(len(first_peaks))]
     return {"steps_timed": len(timed), "step_time_s": step_s, "tokens_per_s": tokens / step_s,
             "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
-            "peak_flops_per_s": peak, "peak_flops_per_rank": peaks, "mfu": flops / step_s / peak,
-            "time_s": breakdown, "final_loss": timed[-1]["loss"]}
+            "peak_flops_per_s": statistics.median(peak for _, peak in timed),
+            "peak_flops_per_rank": per_rank, "mfu": mfu,
+            "mfu_per_step": [flops / r["step_time_s"] / peak for r, peak in timed],
+            "time_s": breakdown, "final_loss": timed[-1][0]["loss"]}
 
 
 def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, out_dir: str,
@@ -125,10 +149,16 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
                          f"not {comm.Get_size()}")
     # the same thread count train() will choose, for the peak as for the run
     threads = set_blas_threads(blas_threads_per_rank(_ranks_on_node(comm)))
-    comm.Barrier()
-    peaks = comm.allgather(gemm_peak())
+    probe = GemmProbe()
+
+    def probe_all_ranks() -> list[float]:  # every rank at once, as when training
+        comm.Barrier()
+        return comm.allgather(probe.rate())
+
+    first_peaks = probe_all_ranks()
     trace_path = str(Path(run_dir) / "trace.json") if trace else None
-    train(cfg, comm, quiet=True, trace_path=trace_path)
+    train(cfg, comm, quiet=True, trace_path=trace_path,
+          after_step=lambda: {"gemm_flops_per_rank": probe_all_ranks()})
     if comm.Get_rank() != 0:
         return None
     from hpctrain.metrics import read_metrics
@@ -139,7 +169,7 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
               "row_threads": row_threads or threads,
               "parallel": LAYOUTS[layout][1], "warmup_steps": warmup,
               **summarise(records, warmup, model_flops(cfg.model, cfg.train.batch_size),
-                          peaks, tokens)}
+                          first_peaks, tokens)}
     if trace_path:
         result["trace"] = trace_path
     Path(out_dir, f"{layout}.json").write_text(json.dumps(result, indent=2))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,8 @@ def _write_trace(cfg: Config, comm, topo: Topology, tracer, path: str, writer) -
 
 
 def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = None,
-          trace_path: str | None = None) -> Summary:
+          trace_path: str | None = None,
+          after_step: Callable[[], dict[str, Any]] | None = None) -> Summary:
     """Train on every rank of ``comm`` with a config already validated for its size.
 
     ``resume``: "auto" (the run's latest checkpoint, if any) or a checkpoint path; the
@@ -206,6 +208,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ``trace_path``: write every rank's timeline of the training steps there (Chrome
     trace). Every step's record in metrics.jsonl carries ``time_s``, the mean over
     ranks of each trace category's seconds (``hpctrain.trace.CATEGORIES``).
+    ``after_step``: called on every rank after each step, outside its timing (the
+    benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
     """
     topo = Topology.build(comm, cfg.parallel)
     nodes = node_layout(comm, topo.tp_comm)
@@ -263,6 +267,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                   "time_s": breakdown_over(comm, tracer.take_totals()),
                   **engine.metrics(), **dp.metrics()}
+        if after_step is not None:
+            record |= after_step()
         if val is not None and (step % t.eval_interval == 0 or step == t.steps):
             record["val_loss"], accuracy = evaluate(cfg, engine, val, topo.dp_comm)
             val_losses.append(record["val_loss"])

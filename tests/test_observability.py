@@ -15,7 +15,7 @@ from hpctrain import trace
 from hpctrain.bench import model_flops, summarise
 from hpctrain.cli import main
 from hpctrain.config import ModelConfig
-from hpctrain.nn import GELU, CausalSelfAttention
+from hpctrain.nn import GELU, CausalSelfAttention, LayerNorm
 from hpctrain.nn import threads as nn_threads
 from hpctrain.testing import run_train, tiny_corpus_config
 
@@ -95,9 +95,12 @@ def test_threaded_kernels_are_bitwise_the_single_thread_ones():
     results = []
     for n in (1, 2, 3):
         nn_threads.set_threads(n)
+        ln = LayerNorm(48)
         y, gc = GELU().forward(x)
         a, ac = attn.forward(x)
-        results.append((y, GELU().backward(x, gc), a, attn.backward(x, ac)))
+        h, lc = ln.forward(x)
+        results.append((y, GELU().backward(x, gc), a, attn.backward(x, ac), h,
+                        ln.backward(x, lc), ln.weight.grad))
     nn_threads.set_threads(1)
     for other in results[1:]:
         for got, want in zip(other, results[0], strict=True):
@@ -148,15 +151,23 @@ def test_model_flops_counts_every_matrix_product():
     assert model_flops(m, sequences=5) == 3 * 5 * 4 * forward_per_token
 
 
-def test_summarise_leaves_out_the_warmup():
-    records = [{"step": s, "loss": 1.0, "step_time_s": t, "time_s": {"compute": t}}
-               for s, t in [(1, 9.0), (2, 2.0), (3, 1.0), (4, 3.0)]]
-    out = summarise(records, warmup=1, flops=100.0, peaks=[10.0, 15.0], tokens=50)
+def test_summarise_leaves_out_the_warmup_and_rates_each_step_against_its_probes():
+    # step times 9, 2, 1, 3 s; GEMM probes on 2 ranks before step 1 and after each step
+    probes = [[10.0, 15.0], [20.0, 20.0], [10.0, 10.0], [30.0, 30.0], [5.0, 15.0]]
+    records = [{"step": 0, "val_loss": 2.0}] + [
+        {"step": s, "loss": 1.0, "step_time_s": t, "time_s": {"compute": t},
+         "gemm_flops_per_rank": probes[s]} for s, t in [(1, 9.0), (2, 2.0), (3, 1.0), (4, 3.0)]]
+    out = summarise(records, warmup=1, flops=120.0, first_peaks=probes[0], tokens=50)
     assert out["step_time_s"] == 2.0 and out["steps_timed"] == 3
-    assert out["mfu"] == pytest.approx(100.0 / 2.0 / 25.0)
+    # each step's peak: the mean of the summed probes before and after it
+    peaks = {2: (40 + 20) / 2, 3: (20 + 60) / 2, 4: (60 + 20) / 2}
+    want = sorted(120.0 / t / peaks[s] for s, t in [(2, 2.0), (3, 1.0), (4, 3.0)])
+    assert out["mfu"] == pytest.approx(want[1])
+    assert out["peak_flops_per_s"] == pytest.approx(40.0)
+    assert out["peak_flops_per_rank"] == [10.0, 15.0]
     assert out["time_s"]["compute"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="after the 4 warm-up steps"):
-        summarise(records, warmup=4, flops=1.0, peaks=[1.0], tokens=1)
+        summarise(records, warmup=4, flops=1.0, first_peaks=[1.0, 1.0], tokens=1)
 
 
 def test_bench_refuses_a_missing_dataset(tmp_path):
