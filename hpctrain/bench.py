@@ -114,22 +114,22 @@ def summarise(records: list[dict], warmup: int, flops: float, first_peaks: list[
     carries ``gemm_flops_per_rank``, measured after it (see the module's MFU).
     """
     steps = [r for r in records if "loss" in r]
-    before = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps[:-1]]
-    timed = [(r, 0.5 * (sum(b) + sum(r["gemm_flops_per_rank"])))
-             for r, b in zip(steps, before, strict=True) if r["step"] > warmup]
+    probes = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps]  # before, after each
+    timed = [(r, 0.5 * (sum(before) + sum(after)))
+             for r, before, after in zip(steps, probes[:-1], probes[1:], strict=True)
+             if r["step"] > warmup]
     if not timed:
         raise ValueError(f"no step after the {warmup} warm-up steps was recorded")
     step_s = statistics.median(r["step_time_s"] for r, _ in timed)
-    mfu = statistics.median(flops / r["step_time_s"] / peak for r, peak in timed)
+    mfu_per_step = [flops / r["step_time_s"] / peak for r, peak in timed]
     breakdown = {c: statistics.fmean(r["time_s"][c] for r, _ in timed)
                  for c in timed[0][0]["time_s"]}
-    probes = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps]
     per_rank = [statistics.median(p[rank] for p in probes) for rank in range(len(first_peaks))]
     return {"steps_timed": len(timed), "step_time_s": step_s, "tokens_per_s": tokens / step_s,
             "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
             "peak_flops_per_s": statistics.median(peak for _, peak in timed),
-            "peak_flops_per_rank": per_rank, "mfu": mfu,
-            "mfu_per_step": [flops / r["step_time_s"] / peak for r, peak in timed],
+            "peak_flops_per_rank": per_rank, "mfu": statistics.median(mfu_per_step),
+            "mfu_per_step": mfu_per_step,
             "time_s": breakdown, "final_loss": timed[-1][0]["loss"]}
 
 

@@ -56,10 +56,11 @@ def bench_command(layouts: tuple[str, ...], data: str, steps: int, warmup: int, 
 
     The benchmark GPT: 6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256,
     global batch 8. Each layout runs as its own MPI job on this machine; every rank
-    measures its float32 GEMM rate first, and MFU is the model's FLOP/s over the sum
-    of those rates. The time breakdown (mean over ranks, % of the step) splits each
-    step into compute, tensor-parallel communication, pipeline waits, exposed
-    data-parallel communication, optimizer, data and the rest.
+    measures its float32 GEMM rate before the first step and after each step. A
+    step's MFU is its model FLOP/s over the sum of the rates measured around it, and
+    MFU is the median over the timed steps. The time breakdown (mean over ranks, % of
+    the step) splits each step into compute, tensor-parallel communication, pipeline
+    waits, exposed data-parallel communication, optimizer, data and the rest.
 
     \b
     Examples:

@@ -135,4 +135,3 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     return bool(ok)
-
