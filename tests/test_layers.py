@@ -16,6 +16,7 @@ from hpctrain.nn import (
     cross_entropy,
     cross_entropy_backward,
 )
+from hpctrain.nn.attention import SOFTMAX_BLOCK
 from hpctrain.nn.gradcheck import check_array, check_parameters, rel_error
 
 TOL = 1e-6
@@ -193,6 +194,13 @@ def naive_attention(layer, x):
 def test_attention_matches_loop_reference():
     layer = CausalSelfAttention(8, 2, rng=rng(), dtype=np.float64, std=0.5)
     x = rng(1).standard_normal((3, 6, 8))
+    np.testing.assert_allclose(layer.forward(x)[0], naive_attention(layer, x), atol=1e-12)
+
+
+def test_attention_over_several_softmax_blocks_matches_loop_reference():
+    T = 2 * SOFTMAX_BLOCK + 6  # two whole blocks of query rows and a partial one
+    layer = CausalSelfAttention(8, 2, rng=rng(), dtype=np.float64, std=0.5)
+    x = rng(1).standard_normal((2, T, 8))
     np.testing.assert_allclose(layer.forward(x)[0], naive_attention(layer, x), atol=1e-12)
 
 
