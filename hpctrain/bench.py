@@ -137,7 +137,7 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
                trace: bool = False, row_threads: int = 0) -> dict[str, Any] | None:
     """Measure the GEMM peak on every rank at once, then train ``steps`` steps of the
     benchmark GPT; rank 0 writes and returns the layout's figures. Collective."""
-    from hpctrain.runtime import set_blas_threads, startup_check
+    from hpctrain.runtime import blas_thread_timeout, set_blas_threads, startup_check
     from hpctrain.slurm.placement import blas_threads_per_rank
     from hpctrain.train import train
 
@@ -167,6 +167,7 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
     tokens = cfg.train.batch_size * cfg.model.seq_len
     result = {"layout": layout, "ranks": comm.Get_size(), "blas_threads": threads,
               "row_threads": row_threads or threads,
+              "blas_thread_timeout": blas_thread_timeout(),
               "parallel": LAYOUTS[layout][1], "warmup_steps": warmup,
               **summarise(records, warmup, model_flops(cfg.model, cfg.train.batch_size),
                           first_peaks, tokens)}

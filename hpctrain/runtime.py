@@ -109,6 +109,25 @@ def set_blas_threads(threads: int) -> int:
     return threads
 
 
+def blas_thread_timeout() -> int | None:
+    """The ``OPENBLAS_THREAD_TIMEOUT`` the loaded OpenBLAS read when it started (0 when
+    unset: its default spin), or None when NumPy's BLAS is not OpenBLAS.
+
+    The package sets it on import (see ``hpctrain/__init__.py``); this says whether that
+    came in time, i.e. before NumPy was imported.
+    """
+    import ctypes
+
+    import numpy  # noqa: F401  (loads the BLAS, so that threadpoolctl finds it)
+    from threadpoolctl import threadpool_info
+
+    for lib in threadpool_info():
+        if lib.get("internal_api") == "openblas":
+            getter = getattr(ctypes.CDLL(lib["filepath"]), "openblas_thread_timeout", None)
+            return None if getter is None else int(getter())
+    return None
+
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

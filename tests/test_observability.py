@@ -2,6 +2,7 @@
 benchmark's FLOP count (serial; the multi-rank trace is tests/mpi/test_trace_mpi.py)."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -139,6 +140,37 @@ def test_kept_memory_is_not_faulted_in_again_the_next_step():
     assert min(default[1:]) > pages // 2  # glibc gives it back: every step faults again
     assert kept[0] > pages // 2  # the first step maps its memory once ...
     assert max(kept[1:]) < pages // 20  # ... and later steps reuse it
+
+
+_SPIN_AFTER_PRODUCT = """
+import sys, time
+if sys.argv[1] == "hpctrain":
+    import hpctrain  # sets OPENBLAS_THREAD_TIMEOUT before NumPy loads OpenBLAS
+import numpy as np
+from threadpoolctl import threadpool_limits
+from hpctrain.runtime import blas_thread_timeout
+threadpool_limits(2, user_api="blas")
+a = np.ones((512, 512), np.float32)
+a @ a
+cpu, wall = time.process_time(), time.perf_counter()
+time.sleep(0.05)  # the BLAS workers spin or sleep meanwhile
+print(blas_thread_timeout(), (time.process_time() - cpu) / (time.perf_counter() - wall))
+"""
+
+
+def test_importing_hpctrain_first_makes_blas_workers_sleep_after_a_product():
+    def run(first, **env):
+        environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+        out = subprocess.run([sys.executable, "-c", _SPIN_AFTER_PRODUCT, first],
+                             env=environ | env, check=True, capture_output=True,
+                             text=True, timeout=60).stdout.split()
+        return int(out[0]), float(out[1])  # the timeout read, busy cores while sleeping
+
+    timeout, busy = run("numpy")  # NumPy first: OpenBLAS's default spin
+    assert timeout == 0 and busy > 0.5
+    timeout, busy = run("hpctrain")
+    assert timeout == 4 and busy < 0.2
+    assert run("hpctrain", OPENBLAS_THREAD_TIMEOUT="12")[0] == 12  # a user's value stays
 
 
 # ---- the benchmark's figures ---------------------------------------------------------
