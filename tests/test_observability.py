@@ -108,6 +108,35 @@ def test_threaded_kernels_are_bitwise_the_single_thread_ones():
             assert np.array_equal(got, want)
 
 
+def test_products_over_rows_runs_each_block_on_one_blas_thread_and_restores_the_pool():
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads():
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    seen = []
+
+    def kernel(a, out):
+        seen.append((len(a), blas_threads()))
+        np.matmul(a, a, out=out)
+
+    a = np.random.default_rng(0).standard_normal((5, 16, 16))
+    out = np.empty_like(a)
+    with threadpool_limits(2, user_api="blas"):
+        nn_threads.set_threads(2)
+        try:
+            nn_threads.products_over_rows(kernel, a, out)
+            assert sorted(rows for rows, _ in seen) == [2, 3]  # one block per thread
+            assert all(set(counts) == {1} for _, counts in seen)
+            assert np.array_equal(out, a @ a)
+            assert set(blas_threads()) == {2}  # the pool is back
+            with pytest.raises(ZeroDivisionError):
+                nn_threads.products_over_rows(lambda a: 1 / 0, a)
+            assert set(blas_threads()) == {2}  # ... also after a block raised
+        finally:
+            nn_threads.set_threads(1)
+
+
 # ---- memory kept between steps -------------------------------------------------------
 
 _FAULTS_PER_ROUND = """

@@ -21,7 +21,7 @@ import numpy as np
 
 from hpctrain.nn.layers import Linear, LinearCache
 from hpctrain.nn.module import Module
-from hpctrain.nn.threads import over_rows
+from hpctrain.nn.threads import products_over_rows
 
 
 class AttentionCache(NamedTuple):
@@ -61,11 +61,12 @@ class CausalSelfAttention(Module):
                              f"(3 * {H} * {D})")
         q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         q *= 1.0 / math.sqrt(D)  # in place: q is not needed unscaled
-        p = q @ k.transpose(0, 1, 3, 2)  # (B, H, T, T)
-        mask = _future_mask(T)
-        over_rows(lambda s: _causal_softmax(s, mask), p.reshape(B * H, T, T))
+        p = np.empty((B, H, T, T), dtype=qkv.dtype)
         y = np.empty((B, T, H, D), dtype=qkv.dtype)
-        np.matmul(p, v, out=y.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+        mask = _future_mask(T)
+        # y (B, H, T, D) is written as (B, T, H, D), the layout proj reads
+        products_over_rows(lambda *blocks: _attend(*blocks, mask),
+                           q, k, v, p, y.transpose(0, 2, 1, 3))
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
         return out, AttentionCache(qkv_cache, q, k, v, p, proj_cache)
 
@@ -78,13 +79,27 @@ class CausalSelfAttention(Module):
         dy = dy.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         dqkv = np.empty((B, T, 3, H, D), dtype=dout.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D), views into dqkv
-        np.matmul(p.transpose(0, 1, 3, 2), dy, out=dv)
-        ds = dy @ v.transpose(0, 1, 3, 2)  # (B, H, T, T), dP
-        over_rows(_softmax_backward, ds.reshape(B * H, T, T), p.reshape(B * H, T, T))
-        np.matmul(ds, k, out=dq)
+        products_over_rows(_attend_backward, q, k, v, p, dy, dq, dk, dv)
         dq *= 1.0 / math.sqrt(D)
-        np.matmul(ds.transpose(0, 1, 3, 2), q, out=dk)  # q was cached already scaled
         return self.qkv.backward(dqkv.reshape(B, T, 3 * H * D), cache.qkv)
+
+
+def _attend(q, k, v, p, y, mask) -> None:
+    # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
+    # written in place
+    np.matmul(q, k.transpose(0, 1, 3, 2), out=p)
+    _causal_softmax(np.reshape(p, (-1, *p.shape[2:]), copy=False), mask)
+    np.matmul(p, v, out=y)
+
+
+def _attend_backward(q, k, v, p, dy, dq, dk, dv) -> None:
+    # a block of the batch: dy (b, H, T, D) -> dq (unscaled), dk, dv, written in place
+    np.matmul(p.transpose(0, 1, 3, 2), dy, out=dv)
+    ds = dy @ v.transpose(0, 1, 3, 2)  # (b, H, T, T), dP
+    _softmax_backward(np.reshape(ds, (-1, *ds.shape[2:]), copy=False),
+                      np.reshape(p, (-1, *p.shape[2:]), copy=False))
+    np.matmul(ds, k, out=dq)
+    np.matmul(ds.transpose(0, 1, 3, 2), q, out=dk)  # q was cached already scaled
 
 
 SOFTMAX_BLOCK = 32  # query rows per block: column blocks right of it are all masked

@@ -11,6 +11,9 @@ Each row is computed by the same operations whatever the block it lands in, so t
 results are bitwise those of one thread. Reductions *across* rows (parameter
 gradients) are left to the caller, outside the blocks, for the same reason.
 
+``products_over_rows`` does the same for kernels of many small matrix products
+(attention's per-head ones), with BLAS held to one thread inside each block.
+
 ``set_threads(n)`` follows the rank's BLAS thread count (``runtime.set_blas_threads``
 sets both); with one thread, ``over_rows`` is a plain call.
 """
@@ -42,16 +45,61 @@ def threads() -> int:
     return _threads
 
 
-def over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None:
+def over_rows(kernel: Callable[..., None], *arrays: np.ndarray,
+              min_rows: int = MIN_ROWS_PER_THREAD) -> None:
     """``kernel(*blocks)`` for each block of rows of ``arrays`` (all with the same
-    length along axis 0), the blocks in parallel."""
-    global _pool
-    n = min(_threads, len(arrays[0]) // MIN_ROWS_PER_THREAD)
+    length along axis 0), the blocks in parallel; blocks have at least ``min_rows``."""
+    n = min(_threads, len(arrays[0]) // min_rows)
     if n <= 1:
         kernel(*arrays)
         return
+    _run_blocks(kernel, n, arrays)
+
+
+def products_over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None:
+    """``over_rows`` for a kernel of many small matrix products, such as attention's
+    per-head ones: each block runs its products on one BLAS thread, the blocks in
+    parallel, one block (of one row or more) per thread.
+
+    BLAS would split each small product over its own threads and hand it off for every
+    product; here one thread does whole products. On the benchmark's 256 x 256 x 64
+    head products that measured 95-101 GFLOP/s against 62-84 (2 cores). Each product
+    is computed as a one-thread BLAS computes it, so the results are bitwise those of
+    one thread here too.
+    """
+    n = min(_threads, len(arrays[0]))
+    if n <= 1:
+        kernel(*arrays)
+        return
+    blas = _blas_libraries()
+    before = [lib.num_threads for lib in blas]
+    for lib in blas:
+        lib.set_num_threads(1)
+    try:
+        _run_blocks(kernel, n, arrays)
+    finally:
+        for lib, count in zip(blas, before, strict=True):
+            lib.set_num_threads(count)
+
+
+def _run_blocks(kernel: Callable[..., None], n: int, arrays: tuple[np.ndarray, ...]) -> None:
+    global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(_threads, thread_name_prefix="hpctrain-rows")
     blocks = zip(*(np.array_split(a, n) for a in arrays), strict=True)
     for future in [_pool.submit(kernel, *block) for block in blocks]:
         future.result()  # re-raises a kernel's exception here
+
+
+_blas = None
+
+
+def _blas_libraries() -> list:
+    """threadpoolctl's controllers of the BLAS libraries loaded (found once: a search
+    of the loaded libraries takes about a millisecond)."""
+    global _blas
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas = ThreadpoolController().select(user_api="blas").lib_controllers
+    return _blas
