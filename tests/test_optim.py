@@ -157,6 +157,23 @@ def test_grad_norm_accumulates_float32_in_float64():
     assert grad_norm([p]) == pytest.approx(exact, rel=1e-12)
 
 
+def test_grad_norm_is_the_same_float_on_any_number_of_threads():
+    from hpctrain.nn import threads
+
+    rng = np.random.default_rng(0)
+    ps = [Parameter(np.zeros(n, np.float32)) for n in (3, 1 << 20, 70_001)]  # ~18 chunks
+    for p in ps:
+        p.grad[...] = rng.standard_normal(p.grad.shape)
+    norms = []
+    for n in (1, 2, 3):
+        threads.set_threads(n)
+        norms.append(grad_norm(ps))
+    threads.set_threads(1)
+    assert norms[1] == norms[0] and norms[2] == norms[0]
+    exact = math.sqrt(sum(float(np.sum(p.grad.astype(np.float64) ** 2)) for p in ps))
+    assert norms[0] == pytest.approx(exact, rel=1e-12)
+
+
 def test_clip_scales_only_above_max_norm():
     named = params()
     ps = [p for _, p in named]

@@ -60,12 +60,11 @@ class CausalSelfAttention(Module):
             raise ValueError(f"qkv width ({qkv.shape[-1]}) must be 3 * n_head * head_dim "
                              f"(3 * {H} * {D})")
         q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        q *= 1.0 / math.sqrt(D)  # in place: q is not needed unscaled
         p = np.empty((B, H, T, T), dtype=qkv.dtype)
         y = np.empty((B, T, H, D), dtype=qkv.dtype)
-        mask = _future_mask(T)
+        mask, scale = _future_mask(T), 1.0 / math.sqrt(D)
         # y (B, H, T, D) is written as (B, T, H, D), the layout proj reads
-        products_over_rows(lambda *blocks: _attend(*blocks, mask),
+        products_over_rows(lambda *blocks: _attend(*blocks, mask, scale),
                            q, k, v, p, y.transpose(0, 2, 1, 3))
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
         return out, AttentionCache(qkv_cache, q, k, v, p, proj_cache)
@@ -79,26 +78,29 @@ class CausalSelfAttention(Module):
         dy = dy.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         dqkv = np.empty((B, T, 3, H, D), dtype=dout.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D), views into dqkv
-        products_over_rows(_attend_backward, q, k, v, p, dy, dq, dk, dv)
-        dq *= 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(D)
+        products_over_rows(lambda *blocks: _attend_backward(*blocks, scale),
+                           q, k, v, p, dy, dq, dk, dv)
         return self.qkv.backward(dqkv.reshape(B, T, 3 * H * D), cache.qkv)
 
 
-def _attend(q, k, v, p, y, mask) -> None:
+def _attend(q, k, v, p, y, mask, scale) -> None:
     # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
-    # written in place
+    # written in place; q is scaled in place (the cache keeps it scaled)
+    q *= scale
     np.matmul(q, k.transpose(0, 1, 3, 2), out=p)
     _causal_softmax(np.reshape(p, (-1, *p.shape[2:]), copy=False), mask)
     np.matmul(p, v, out=y)
 
 
-def _attend_backward(q, k, v, p, dy, dq, dk, dv) -> None:
-    # a block of the batch: dy (b, H, T, D) -> dq (unscaled), dk, dv, written in place
+def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:
+    # a block of the batch: dy (b, H, T, D) -> dq, dk, dv, written in place
     np.matmul(p.transpose(0, 1, 3, 2), dy, out=dv)
     ds = dy @ v.transpose(0, 1, 3, 2)  # (b, H, T, T), dP
     _softmax_backward(np.reshape(ds, (-1, *ds.shape[2:]), copy=False),
                       np.reshape(p, (-1, *p.shape[2:]), copy=False))
     np.matmul(ds, k, out=dq)
+    dq *= scale
     np.matmul(ds.transpose(0, 1, 3, 2), q, out=dk)  # q was cached already scaled
 
 

@@ -15,22 +15,29 @@ from collections.abc import Iterable
 import numpy as np
 
 from hpctrain.nn.module import Parameter
+from hpctrain.nn.threads import over_rows
 
 _CHUNK = 1 << 16  # elements converted to float64 at a time
 
 
 def grad_sq_sum(params: Iterable[Parameter]) -> float:
-    """sum(grad^2) over all parameters, accumulated in float64."""
-    total = 0.0
-    for p in params:
-        g = p.grad.reshape(-1)
-        if g.dtype == np.float64:
-            total += float(np.dot(g, g))
-            continue
-        for start in range(0, g.size, _CHUNK):  # bounded float64 temporaries
-            chunk = g[start:start + _CHUNK].astype(np.float64)
-            total += float(np.dot(chunk, chunk))
-    return total
+    """sum(grad^2) over all parameters, accumulated in float64.
+
+    Each chunk's sum is taken on the rank's element-wise threads, then the chunk sums
+    are added in order: the same float at any thread count.
+    """
+    chunks = [g[start:start + _CHUNK] for g in (p.grad.reshape(-1) for p in params)
+              for start in range(0, g.size, _CHUNK)]
+    sums = np.empty(len(chunks))
+    over_rows(lambda idx, out: _sq_sums(chunks, idx, out), np.arange(len(chunks)), sums)
+    return float(sum(sums.tolist()))
+
+
+def _sq_sums(chunks: list[np.ndarray], idx: np.ndarray, out: np.ndarray) -> None:
+    # out[j] = sum(chunks[idx[j]]^2) in float64 (bounded float64 temporaries)
+    for j, i in enumerate(idx):
+        chunk = chunks[i].astype(np.float64, copy=False)
+        out[j] = np.dot(chunk, chunk)
 
 
 def grad_norm(params: Iterable[Parameter]) -> float:
