@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("layout", choices=list(LAYOUTS))
     parser.add_argument("--data", default=BENCH_CONFIG["data"]["path"])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--trace", action="store_true")

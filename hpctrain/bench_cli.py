@@ -35,7 +35,7 @@ def _find_mpiexec(given: str | None) -> str:
 @click.option("--data", default=bench.BENCH_CONFIG["data"]["path"], show_default=True,
               type=click.Path(dir_okay=False),
               help="Token dataset to train on (make data prepares Shakespeare).")
-@click.option("--steps", default=8, show_default=True, type=click.IntRange(min=2),
+@click.option("--steps", default=12, show_default=True, type=click.IntRange(min=2),
               help="Training steps per layout, warm-up included.")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0),
               help="First steps left out of the figures (allocation, caches).")
@@ -65,7 +65,7 @@ def bench_command(layouts: tuple[str, ...], data: str, steps: int, warmup: int, 
     \b
     Examples:
       hpctrain bench
-      hpctrain bench --layout serial --layout dp2 --steps 12
+      hpctrain bench --layout serial --layout dp2 --steps 20
       hpctrain bench --layout pp2 --trace && hpctrain plot runs/bench/pp2 \\
           --trace runs/bench/pp2/trace.json
     """
