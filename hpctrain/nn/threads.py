@@ -45,11 +45,10 @@ def threads() -> int:
     return _threads
 
 
-def over_rows(kernel: Callable[..., None], *arrays: np.ndarray,
-              min_rows: int = MIN_ROWS_PER_THREAD) -> None:
+def over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None:
     """``kernel(*blocks)`` for each block of rows of ``arrays`` (all with the same
-    length along axis 0), the blocks in parallel; blocks have at least ``min_rows``."""
-    n = min(_threads, len(arrays[0]) // min_rows)
+    length along axis 0), the blocks in parallel."""
+    n = min(_threads, len(arrays[0]) // MIN_ROWS_PER_THREAD)
     if n <= 1:
         kernel(*arrays)
         return
@@ -64,8 +63,9 @@ def products_over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None
     BLAS would split each small product over its own threads and hand it off for every
     product; here one thread does whole products. On the benchmark's 256 x 256 x 64
     head products that measured 95-101 GFLOP/s against 62-84 (2 cores). Each product
-    is computed as a one-thread BLAS computes it, so the results are bitwise those of
-    one thread here too.
+    runs whole on one BLAS thread whatever block it lands in, so results do not change
+    with the number of blocks. With a single block (one thread, or a batch of one) the
+    kernel is a plain call and BLAS uses its own threads, which may round differently.
     """
     n = min(_threads, len(arrays[0]))
     if n <= 1:
