@@ -18,6 +18,7 @@ init_std / sqrt(2 n_layer)) as in GPT-2, biases zero, LayerNorm weights one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,7 @@ from hpctrain.nn import (
     Linear,
     LinearCache,
     Module,
+    Parameter,
     cross_entropy,
     cross_entropy_backward,
 )
@@ -72,6 +74,10 @@ class Embed(Module):
         self.wte.backward(dx, cache.wte)
         self.wpe.backward(dx.sum(axis=0), cache.wpe)  # (T, C): positions are shared over B
         return None
+
+
+def _nothing() -> None:
+    """The default ``after_half`` / ``after_piece``: no one is waiting for gradients."""
 
 
 # ---------------------------------------------------------------------------------
@@ -142,13 +148,22 @@ class Block(Module):
         h += x
         return h, BlockCache(ln1, attn, ln2, mlp)
 
-    def backward(self, dy: np.ndarray, cache: BlockCache) -> np.ndarray:
-        # dy (B, T, C) -> dx (B, T, C)
+    def backward(self, dy: np.ndarray, cache: BlockCache,
+                 after_half: Callable[[], None] = _nothing) -> np.ndarray:
+        # dy (B, T, C) -> dx (B, T, C); after_half() runs once the (mlp, ln2) gradients
+        # are complete, then once the (attn, ln1) ones are
         dh = self.ln2.backward(self.mlp.backward(dy, cache.mlp), cache.ln2)
         dh += dy  # skip path of the second residual
+        after_half()
         dx = self.ln1.backward(self.attn.backward(dh, cache.attn), cache.ln1)
         dx += dh  # skip path of the first residual
+        after_half()
         return dx
+
+    def backward_halves(self) -> list[list[Parameter]]:
+        """The parameters of each half, in the order ``backward`` finishes them."""
+        return [self.mlp.parameters() + self.ln2.parameters(),
+                self.attn.parameters() + self.ln1.parameters()]
 
 
 # ---------------------------------------------------------------------------------
@@ -249,13 +264,29 @@ class GPT(Module):
         loss, head = self.head.forward(x, targets)
         return loss, GPTCache(embed, blocks, head)
 
-    def backward(self, cache: GPTCache, dloss: float = 1.0) -> None:
-        """Add the gradients of ``dloss * loss`` into every parameter's ``.grad``."""
+    def backward(self, cache: GPTCache, dloss: float = 1.0,
+                 after_piece: Callable[[], None] = _nothing) -> None:
+        """Add the gradients of ``dloss * loss`` into every parameter's ``.grad``.
+
+        ``after_piece()`` runs after each piece of ``backward_pieces()``, in that
+        order: a data-parallel caller sends those gradients while the rest runs.
+        """
         dx = self.head.backward(dloss, cache.head)  # (B, T, C)
+        after_piece()
         for block, block_cache in zip(reversed(self.blocks), reversed(cache.blocks),
                                       strict=True):
-            dx = block.backward(dx, block_cache)
+            dx = block.backward(dx, block_cache, after_half=after_piece)
         self.embed.backward(dx, cache.embed)
+        after_piece()
+
+    def backward_pieces(self) -> list[list[Parameter]]:
+        """The parameters of each piece ``backward`` finishes, in backward order: the
+        head; per block from the last, (mlp, ln2) then (attn, ln1); the embedding. A
+        shared parameter (the tied token table) appears in every piece using it."""
+        pieces = [self.head.parameters()]
+        for block in reversed(self.blocks):
+            pieces += block.backward_halves()
+        return pieces + [self.embed.parameters()]
 
     def logits(self, idx: np.ndarray) -> np.ndarray:
         # idx (B, T) int -> logits (B, T, V)

@@ -81,24 +81,12 @@ class LocalEngine:
 
     def backward(self, cache: Any, dloss: float, *, last: bool) -> None:
         """``model.backward(cache, dloss)``; on the ``last`` microbatch of a step, with
-        a hook set, piece by piece, reporting the final gradients as it goes."""
+        a hook set, reporting each piece's final gradients as backward goes."""
         if not (last and self.on_grads_ready is not None and self._final is not None):
             self.model.backward(cache, dloss=dloss)
             return
-        gpt, ready, final = self.model, self.on_grads_ready, iter(self._final)
-        # GPT.backward and Block.backward, with a report after every piece; the test
-        # test_piecewise_backward_is_bitwise_the_models keeps the two the same
-        dx = gpt.head.backward(dloss, cache.head)  # (B, T, C)
-        ready(next(final))
-        for block, bc in zip(reversed(gpt.blocks), reversed(cache.blocks), strict=True):
-            dh = block.ln2.backward(block.mlp.backward(dx, bc.mlp), bc.ln2)
-            dh += dx  # skip path of the second residual
-            ready(next(final))
-            dx = block.ln1.backward(block.attn.backward(dh, bc.attn), bc.ln1)
-            dx += dh  # skip path of the first residual
-            ready(next(final))
-        gpt.embed.backward(dx, cache.embed)
-        ready(next(final))
+        ready, final = self.on_grads_ready, iter(self._final)
+        self.model.backward(cache, dloss=dloss, after_piece=lambda: ready(next(final)))
 
     def loss(self, x: np.ndarray, y: np.ndarray) -> float:
         return float(self.model.forward(x, y)[0])
@@ -116,15 +104,10 @@ class LocalEngine:
 
 
 def _final_after_each_piece(gpt: GPT) -> list[list]:
-    """The parameters whose gradient is complete after each backward piece of the GPT,
-    in backward order: head; per block from the last, (mlp, ln2) then (attn, ln1);
-    embed. A shared parameter (the tied token table) belongs to the last piece
-    using it."""
-    pieces = [gpt.head.parameters()]
-    for block in reversed(gpt.blocks):
-        pieces.append(block.mlp.parameters() + block.ln2.parameters())
-        pieces.append(block.attn.parameters() + block.ln1.parameters())
-    pieces.append(gpt.embed.parameters())
+    """The parameters whose gradient is complete after each piece of ``gpt.backward``
+    (``backward_pieces``): a shared parameter (the tied token table) belongs to the
+    last piece using it."""
+    pieces = gpt.backward_pieces()
     last = {id(p): k for k, piece in enumerate(pieces) for p in piece}
     return [[p for p in piece if last[id(p)] == k] for k, piece in enumerate(pieces)]
 
