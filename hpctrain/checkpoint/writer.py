@@ -48,8 +48,8 @@ from hpctrain.checkpoint.reshard import box_name, box_volume, extract, segments,
 from hpctrain.checkpoint.state import Held
 from hpctrain.data.format import (
     DataError,
-    _fsync_dir,
     atomic_output,
+    fsync_dir,
     fsync_path,
     sha256_array,
 )
@@ -217,7 +217,7 @@ def commit(root: Path, tmp: Path, step: int, meta: dict, files: list[str],
         old = root / f"{final.name}.old.tmp"
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if on_event:
         on_event("renamed", final)
     with atomic_output(root / LATEST_NAME, force=True) as pointer:

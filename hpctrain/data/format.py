@@ -301,7 +301,7 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
         elif path.is_dir() and not folder:
             path.rmdir()
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if old is not None:
             _remove(old)
     except BaseException:
@@ -309,7 +309,8 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
         raise
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk, as ``fsync_path`` a file's data."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
