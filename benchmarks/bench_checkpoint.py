@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import click
 import numpy as np
 from mpi4py import MPI
 
+from hpctrain.bench import timed_on_all_ranks
 from hpctrain.checkpoint import Checkpoint, load_training, save_training
 from hpctrain.checkpoint.state import held_tensors
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -38,19 +37,6 @@ from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
 from hpctrain.runtime import set_blas_threads
 from hpctrain.train import make_data_parallel
-
-
-def timed(comm, fn, repeats: int, setup=None) -> float:
-    """Median seconds of ``fn()`` over ``repeats``, the slowest rank each time."""
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return statistics.median(times)
 
 
 def raw_write(path: Path, nbytes: int) -> None:
@@ -80,11 +66,11 @@ def raw_figures(comm, raw_dir: Path, written: int, to_read: int, repeats: int):
         raw_dir.mkdir(exist_ok=True)
     comm.Barrier()
     flat = raw_dir / f"rank-{rank:05d}.bin"
-    t_write = timed(comm, lambda: raw_write(flat, written), repeats,
-                    setup=lambda: flat.unlink(missing_ok=True))
+    t_write = timed_on_all_ranks(comm, lambda: raw_write(flat, written), repeats,
+                                 setup=lambda: flat.unlink(missing_ok=True))
     files = sorted(raw_dir.glob("*.bin"))
     files = files[rank % len(files):] + files[:rank % len(files)]
-    return t_write, timed(comm, lambda: raw_read(files, to_read), repeats)
+    return t_write, timed_on_all_ranks(comm, lambda: raw_read(files, to_read), repeats)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -122,8 +108,9 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats):
         saved["path"] = save_training(cfg, topo, engine, dp, step=next(steps),
                                       loader_state=None, root=root)
 
-    t_save = timed(comm, save, repeats)
-    t_load = timed(comm, lambda: load_training(saved["path"], cfg, topo, engine, dp), repeats)
+    t_save = timed_on_all_ranks(comm, save, repeats)
+    t_load = timed_on_all_ranks(
+        comm, lambda: load_training(saved["path"], cfg, topo, engine, dp), repeats)
     mine = saved["path"] / f"rank-{rank:05d}.h5"
     with_file = mine.is_file()
     with Checkpoint(saved["path"]) as ck:
@@ -135,7 +122,7 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats):
     t_raw_w, t_raw_r = raw_figures(comm, Path(base) / "raw", written, held_bytes, repeats)
     loaded = comm.allreduce(held_bytes)
     arrays = [h.array for h in held_tensors(engine, dp, topo.tp_rank, topo.tp_size)]
-    t_sha = timed(comm, lambda: [sha256_array(a) for a in arrays], repeats)
+    t_sha = timed_on_all_ranks(comm, lambda: [sha256_array(a) for a in arrays], repeats)
 
     if rank == 0:
         mb = 1e6

@@ -32,23 +32,12 @@ import click
 import numpy as np
 from mpi4py import MPI
 
+from hpctrain.bench import timed_on_all_ranks
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
 from hpctrain.runtime import set_blas_threads
 from hpctrain.train import make_data_parallel, train_step
-
-
-def timed(comm, fn, repeats: int, setup=lambda: None) -> float:
-    """Median seconds of ``fn()`` over ``repeats``, the slowest rank each time."""
-    times = []
-    for _ in range(repeats):
-        setup()
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return statistics.median(times)
 
 
 def bus_gbps(nbytes: int, p: int, seconds: float) -> float:
@@ -92,16 +81,16 @@ def main(layers, d_model, heads, seq_len, vocab, batch, dtype, bucket_mb, steps,
     # 1. raw MPI on one buffer of the gradient's size, and on buffers of a bucket's
     buf = np.ones(numel, dtype)
     comm.Allreduce(MPI.IN_PLACE, buf)
-    raw = timed(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf), repeats)
+    raw = timed_on_all_ranks(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf), repeats)
     n = int(bucket_mb * 2**20) // buf.itemsize
     pieces = [buf[i:i + n] for i in range(0, numel, n)]
-    raw_pieces = timed(comm, lambda: [comm.Allreduce(MPI.IN_PLACE, v) for v in pieces],
+    raw_pieces = timed_on_all_ranks(comm, lambda: [comm.Allreduce(MPI.IN_PLACE, v) for v in pieces],
                        repeats)
 
     # 2. our buckets with nothing to hide behind: every one launched by wait
     dp.grads.zero()
     dp.grads.wait()
-    alone = timed(comm, dp.grads.wait, repeats, setup=dp.grads.zero)
+    alone = timed_on_all_ranks(comm, dp.grads.wait, repeats, setup=dp.grads.zero)
 
     # 3. training steps, in turn: overlapped, synchronised only at the end, no collectives
     r = np.random.default_rng(0)

@@ -94,6 +94,22 @@ class GemmProbe:
         return 2.0 * self.n**3 / best
 
 
+def timed_on_all_ranks(comm: Any, fn, repeats: int, setup=None) -> float:
+    """Median seconds of ``fn()`` over ``repeats``, each the slowest rank's time; every
+    rank starts together (``setup()`` runs first, untimed). Collective over ``comm``."""
+    from mpi4py import MPI
+
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return statistics.median(times)
+
+
 def layout_config(layout: str, *, data: str, steps: int, run_dir: str, row_threads: int = 0):
     """The benchmark config for one of ``LAYOUTS`` (validated for its rank count)."""
     if layout not in LAYOUTS:
