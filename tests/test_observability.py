@@ -202,6 +202,20 @@ def test_importing_hpctrain_first_makes_blas_workers_sleep_after_a_product():
     assert run("hpctrain", OPENBLAS_THREAD_TIMEOUT="12")[0] == 12  # a user's value stays
 
 
+def test_bench_step_script_rates_steps_with_openblas_started_after_hpctrain():
+    # the A/B script of benchmarks/README.md: one timed step of the benchmark GPT
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_step.py"
+    environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, str(script), "--steps", "1", "--threads", "1"],
+                         env=environ, check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    mfu = float(out.split("MFU ")[1].split("%")[0])
+    assert 1 < mfu < 100, out
+    assert out.rstrip().endswith("OPENBLAS_THREAD_TIMEOUT 4"), out
+
+
 # ---- the benchmark's figures ---------------------------------------------------------
 
 
