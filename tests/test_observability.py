@@ -133,6 +133,10 @@ def test_products_over_rows_runs_each_block_on_one_blas_thread_and_restores_the_
             with pytest.raises(ZeroDivisionError):
                 nn_threads.products_over_rows(lambda a: 1 / 0, a)
             assert set(blas_threads()) == {2}  # ... also after a block raised
+            seen.clear()
+            nn_threads.set_threads(8)  # more threads than rows: one plain call
+            nn_threads.products_over_rows(kernel, a, out)
+            assert seen == [(5, [2])]  # BLAS keeps its threads for the products
         finally:
             nn_threads.set_threads(1)
 
