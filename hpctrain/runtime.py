@@ -130,8 +130,7 @@ def blas_thread_timeout() -> int | None:
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 * 2**20  # the largest value glibc accepts on 64-bit
+_M_MMAP_MAX = -4
 
 
 def keep_freed_memory() -> bool:
@@ -141,9 +140,10 @@ def keep_freed_memory() -> bool:
     end of backward. By default glibc hands that memory back to the kernel (trimming
     the heap, unmapping large blocks), so the next step page-faults every page in
     again: on the benchmark GPT that is 60,000 faults and about a third of the step.
-    Here the heap is never trimmed and blocks up to 32 MB come from the heap, so after
-    the first step the arrays reuse memory already mapped, as a caching allocator does.
-    The process keeps its peak memory until it exits. A no-op without glibc.
+    Here the heap is never trimmed and no block gets its own mapping (glibc maps a
+    block itself only if the heap cannot grow), so after the first step the arrays
+    reuse memory already mapped, as a caching allocator does. The process keeps its
+    peak memory until it exits. A no-op without glibc.
     """
     import ctypes
 
@@ -151,6 +151,6 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    ok = mallopt(_M_MMAP_MAX, 0)  # large blocks from the heap too, whatever their size
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     return bool(ok)

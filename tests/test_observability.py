@@ -155,6 +155,7 @@ rounds = []
 for _ in range(3):  # a step's worth of activations: allocated, touched, all freed
     before = faults()
     arrays = [np.ones((1024, 1024), np.float32) for _ in range(40)]  # 40 x 4 MB
+    arrays += [np.ones((4096, 4096), np.float32) for _ in range(2)]  # 2 x 64 MB
     del arrays
     rounds.append(faults() - before)
 print(*rounds)
@@ -168,11 +169,11 @@ def test_kept_memory_is_not_faulted_in_again_the_next_step():
                              capture_output=True, text=True, timeout=60).stdout
         return [int(n) for n in out.split()]
 
-    pages = 40 * 4 * 2**20 // 4096
+    pages = 40 * 4 * 2**20 // 4096  # of the small arrays: the large ones may use huge pages
     default, kept = rounds("default"), rounds("keep")
     assert min(default[1:]) > pages // 2  # glibc gives it back: every step faults again
     assert kept[0] > pages // 2  # the first step maps its memory once ...
-    assert max(kept[1:]) < pages // 20  # ... and later steps reuse it
+    assert max(kept[1:]) < pages // 200  # ... and later steps reuse it, large blocks too
 
 
 _SPIN_AFTER_PRODUCT = """
