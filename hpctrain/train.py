@@ -30,7 +30,12 @@ from hpctrain.optim.optimizers import SGD, AdamW
 from hpctrain.parallel.data import DataParallel
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
-from hpctrain.runtime import keep_freed_memory, set_blas_threads, startup_check
+from hpctrain.runtime import (
+    blas_spin_warning,
+    keep_freed_memory,
+    set_blas_threads,
+    startup_check,
+)
 from hpctrain.slurm.placement import blas_threads_per_rank, node_layout, tensor_group_warning
 
 
@@ -163,9 +168,9 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
                f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
                f"{mem['grad_bytes'] / 2**20:.1f} MiB, optimizer state "
                f"{mem['optim_bytes'] / 2**20:.1f} MiB")
-    warning = tensor_group_warning(nodes, topo.tp_size)
-    if warning:
-        writer.say(warning)
+    for warning in (tensor_group_warning(nodes, topo.tp_size), blas_spin_warning(threads)):
+        if warning:
+            writer.say(warning)
     if resumed is not None:
         kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
         writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")

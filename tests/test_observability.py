@@ -182,13 +182,15 @@ if sys.argv[1] == "hpctrain":
     import hpctrain  # sets OPENBLAS_THREAD_TIMEOUT before NumPy loads OpenBLAS
 import numpy as np
 from threadpoolctl import threadpool_limits
-from hpctrain.runtime import blas_thread_timeout
+from hpctrain.runtime import blas_spin_warning, blas_thread_timeout
 threadpool_limits(2, user_api="blas")
+warned = blas_spin_warning(2) is not None and blas_spin_warning(1) is None
 a = np.ones((512, 512), np.float32)
 a @ a
 cpu, wall = time.process_time(), time.perf_counter()
 time.sleep(0.05)  # the BLAS workers spin or sleep meanwhile
-print(blas_thread_timeout(), (time.process_time() - cpu) / (time.perf_counter() - wall))
+print(blas_thread_timeout(), (time.process_time() - cpu) / (time.perf_counter() - wall),
+      warned)
 """
 
 
@@ -198,12 +200,13 @@ def test_importing_hpctrain_first_makes_blas_workers_sleep_after_a_product():
         out = subprocess.run([sys.executable, "-c", _SPIN_AFTER_PRODUCT, first],
                              env=environ | env, check=True, capture_output=True,
                              text=True, timeout=60).stdout.split()
-        return int(out[0]), float(out[1])  # the timeout read, busy cores while sleeping
+        # the timeout read, busy cores while sleeping, whether train() would warn
+        return int(out[0]), float(out[1]), out[2] == "True"
 
-    timeout, busy = run("numpy")  # NumPy first: OpenBLAS's default spin
-    assert timeout == 0 and busy > 0.5
-    timeout, busy = run("hpctrain")
-    assert timeout == 4 and busy < 0.2
+    timeout, busy, warned = run("numpy")  # NumPy first: OpenBLAS's default spin
+    assert timeout == 0 and busy > 0.5 and warned
+    timeout, busy, warned = run("hpctrain")
+    assert timeout == 4 and busy < 0.2 and not warned
     assert run("hpctrain", OPENBLAS_THREAD_TIMEOUT="12")[0] == 12  # a user's value stays
 
 
