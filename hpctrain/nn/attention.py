@@ -88,44 +88,43 @@ def _attend(q, k, v, p, y, mask, scale) -> None:
     # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
     # written in place; q is scaled in place (the cache keeps it scaled)
     q *= scale
-    np.matmul(q, k.transpose(0, 1, 3, 2), out=p)
-    _causal_softmax(np.reshape(p, (-1, *p.shape[2:]), copy=False), mask)
+    np.matmul(q, k.swapaxes(-1, -2), out=p)
+    _causal_softmax(p, mask)
     np.matmul(p, v, out=y)
 
 
 def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:
     # a block of the batch: dy (b, H, T, D) -> dq, dk, dv, written in place
-    np.matmul(p.transpose(0, 1, 3, 2), dy, out=dv)
-    ds = dy @ v.transpose(0, 1, 3, 2)  # (b, H, T, T), dP
-    _softmax_backward(np.reshape(ds, (-1, *ds.shape[2:]), copy=False),
-                      np.reshape(p, (-1, *p.shape[2:]), copy=False))
+    np.matmul(p.swapaxes(-1, -2), dy, out=dv)
+    ds = dy @ v.swapaxes(-1, -2)  # (b, H, T, T), dP
+    _softmax_backward(ds, p)
     np.matmul(ds, k, out=dq)
     dq *= scale
-    np.matmul(ds.transpose(0, 1, 3, 2), q, out=dk)  # q was cached already scaled
+    np.matmul(ds.swapaxes(-1, -2), q, out=dk)  # q was cached already scaled
 
 
 SOFTMAX_BLOCK = 32  # query rows per block: column blocks right of it are all masked
 
 
 def _causal_softmax(s: np.ndarray, mask: np.ndarray) -> None:
-    # s (n, T, T) scores -> probabilities, in place; mask (T, T) True above the diagonal.
+    # s (..., T, T) scores -> probabilities, in place; mask (T, T) True above the diagonal.
     # Query rows i0:i1 only see keys :i1, so each block of rows works on its first i1
     # columns and sets the rest to 0: about half the exp of a whole-row pass.
     T = s.shape[-1]
     for i0 in range(0, T, SOFTMAX_BLOCK):
         i1 = min(i0 + SOFTMAX_BLOCK, T)
-        rows = s[:, i0:i1, :i1]
+        rows = s[..., i0:i1, :i1]
         np.copyto(rows[..., i0:], -np.inf, where=mask[i0:i1, i0:i1])
         rows -= rows.max(axis=-1, keepdims=True)  # the diagonal is never masked: finite
         np.exp(rows, out=rows)
         rows /= rows.sum(axis=-1, keepdims=True)
-        s[:, i0:i1, i1:] = 0.0
+        s[..., i0:i1, i1:] = 0.0
 
 
 def _softmax_backward(ds: np.ndarray, p: np.ndarray) -> None:
-    # ds (n, T, T) holds dP; becomes dS = P * (dP - rowsum(dP * P)), in place. Whole
+    # ds (..., T, T) holds dP; becomes dS = P * (dP - rowsum(dP * P)), in place. Whole
     # rows: blocks as in the forward measured slower here (einsum over strided views).
-    ds -= np.einsum("nij,nij->ni", ds, p)[..., None]
+    ds -= np.einsum("...ij,...ij->...i", ds, p)[..., None]
     ds *= p  # masked entries have p == 0, so they get no gradient
 
 
