@@ -22,7 +22,13 @@ import time
 
 import click
 
-from hpctrain.bench import BENCH_CONFIG, GemmProbe, layout_config, model_flops
+from hpctrain.bench import (
+    BENCH_CONFIG,
+    GemmProbe,
+    layout_config,
+    model_flops,
+    peaks_around_steps,
+)
 from hpctrain.models.build import build_model
 from hpctrain.runtime import blas_thread_timeout, keep_freed_memory, set_blas_threads
 
@@ -56,13 +62,12 @@ def main(steps: int, threads: int) -> None:
 
     for _ in range(2):  # allocation, caches
         step()
-    before, ratios, times = probe.rate(), [], []
+    probes, times = [[probe.rate()]], []  # before the first step, then after each
     for _ in range(steps):
-        seconds = step()
-        after = probe.rate()
-        ratios.append(flops / seconds / ((before + after) / 2))
-        times.append(seconds)
-        before = after
+        times.append(step())
+        probes.append([probe.rate()])
+    ratios = [flops / seconds / peak
+              for seconds, peak in zip(times, peaks_around_steps(probes), strict=True)]
     click.echo(f"MFU {100 * statistics.median(ratios):.1f}% (steps "
                f"{min(ratios) * 100:.1f}-{max(ratios) * 100:.1f}%), "
                f"{1e3 * statistics.median(times):.0f} ms/step, {threads} thread(s), "

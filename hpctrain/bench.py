@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,13 @@ class GemmProbe:
         return 2.0 * self.n**3 / best
 
 
+def peaks_around_steps(probes: list[list[float]]) -> list[float]:
+    """Each step's peak, from GEMM probes taken before the first step and after every
+    step (each a list over ranks): the mean of the summed probes just before and just
+    after it."""
+    return [0.5 * (sum(before) + sum(after)) for before, after in pairwise(probes)]
+
+
 def timed_on_all_ranks(comm: Any, fn, repeats: int, setup=None) -> float:
     """Median seconds of ``fn()`` over ``repeats``, each the slowest rank's time; every
     rank starts together (``setup()`` runs first, untimed). Collective over ``comm``."""
@@ -131,8 +139,7 @@ def summarise(records: list[dict], warmup: int, flops: float, first_peaks: list[
     """
     steps = [r for r in records if "loss" in r]
     probes = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps]  # before, after each
-    timed = [(r, 0.5 * (sum(before) + sum(after)))
-             for r, before, after in zip(steps, probes[:-1], probes[1:], strict=True)
+    timed = [(r, peak) for r, peak in zip(steps, peaks_around_steps(probes), strict=True)
              if r["step"] > warmup]
     if not timed:
         raise ValueError(f"no step after the {warmup} warm-up steps was recorded")

@@ -128,7 +128,6 @@ def blas_thread_timeout() -> int | None:
     return None
 
 
-
 def blas_spin_warning(threads: int) -> str | None:
     """A warning when this rank's OpenBLAS workers spin after each product (NumPy was
     loaded before hpctrain could set ``OPENBLAS_THREAD_TIMEOUT``); None otherwise. Only
@@ -138,6 +137,7 @@ def blas_spin_warning(threads: int) -> str | None:
     return ("warning: OpenBLAS's idle workers spin after each product and slow the "
             "element-wise work (NumPy was imported before hpctrain): set "
             "OPENBLAS_THREAD_TIMEOUT=4 in the environment, or import hpctrain first")
+
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1

@@ -29,6 +29,7 @@ MIN_ROWS_PER_THREAD = 8  # rows (of any width) below which the hand-off costs mo
 
 _threads = 1
 _pool: ThreadPoolExecutor | None = None
+_blas: list | None = None  # threadpoolctl's BLAS controllers, found on first use
 
 
 def set_threads(n: int) -> None:
@@ -90,9 +91,6 @@ def _run_blocks(kernel: Callable[..., None], n: int, arrays: tuple[np.ndarray, .
     blocks = zip(*(np.array_split(a, n) for a in arrays), strict=True)
     for future in [_pool.submit(kernel, *block) for block in blocks]:
         future.result()  # re-raises a kernel's exception here
-
-
-_blas = None
 
 
 def _blas_libraries() -> list:
