@@ -194,11 +194,14 @@ print(blas_thread_timeout(), (time.process_time() - cpu) / (time.perf_counter() 
 """
 
 
+def _without_blas_timeout() -> dict[str, str]:
+    """This environment without OPENBLAS_THREAD_TIMEOUT (the package sets it on import)."""
+    return {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+
 def test_importing_hpctrain_first_makes_blas_workers_sleep_after_a_product():
     def run(first, **env):
-        environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
         out = subprocess.run([sys.executable, "-c", _SPIN_AFTER_PRODUCT, first],
-                             env=environ | env, check=True, capture_output=True,
+                             env=_without_blas_timeout() | env, check=True, capture_output=True,
                              text=True, timeout=60).stdout.split()
         # the timeout read, busy cores while sleeping, whether train() would warn
         return int(out[0]), float(out[1]), out[2] == "True"
@@ -215,9 +218,8 @@ def test_bench_step_script_rates_steps_with_openblas_started_after_hpctrain():
     from pathlib import Path
 
     script = Path(__file__).parents[1] / "benchmarks" / "bench_step.py"
-    environ = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     out = subprocess.run([sys.executable, str(script), "--steps", "1", "--threads", "1"],
-                         env=environ, check=True, capture_output=True, text=True,
+                         env=_without_blas_timeout(), check=True, capture_output=True, text=True,
                          timeout=120).stdout
     mfu = float(out.split("MFU ")[1].split("%")[0])
     assert 1 < mfu < 100, out
