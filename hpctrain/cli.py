@@ -13,6 +13,7 @@ import click
 from hpctrain import __version__
 from hpctrain.bench_cli import bench_command
 from hpctrain.ckpt_cli import ckpt
+from hpctrain.cluster.cli import cluster
 from hpctrain.plot_cli import plot
 from hpctrain.slurm.cli import slurm
 
@@ -125,6 +126,7 @@ def train(config_path: str, quiet: bool, resume: str | None, trace_path: str | N
 
 main.add_command(bench_command)
 main.add_command(ckpt)
+main.add_command(cluster)
 main.add_command(plot)
 main.add_command(slurm)
 

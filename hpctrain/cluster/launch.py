@@ -1,0 +1,87 @@
+"""Starting processes on emulated nodes: the ``ssh`` that mpiexec calls, and mpiexec itself.
+
+MPICH's ``mpiexec`` (hydra) starts one proxy per host through a launcher called like
+ssh: ``LAUNCHER [options] HOST COMMAND...``. ``launcher_script`` writes that launcher
+for a cluster: it maps the host to its node, puts itself into the node's cgroups,
+enters the node's network namespace and a fresh UTS namespace with the node's host
+name, and runs the command there; the proxy's ranks inherit all of it::
+
+    mpiexec -launcher ssh -launcher-exec STATE/ssh -iface {name}br -hosts h0:2,h1:2 -n 4 CMD
+       |-- STATE/ssh h0 proxy...  -> cgroup h0, netns {name}-h0, hostname h0 -> ranks 0, 1
+       '-- STATE/ssh h1 proxy...  -> cgroup h1, netns {name}-h1, hostname h1 -> ranks 2, 3
+
+The proxies reach mpiexec through the switch (``-iface``). Ranks on one node share a
+host name, so MPICH joins them through shared memory; between nodes, MPICH's UCX
+network module must use TCP over the node's ``eth0`` (``UCX_ENV``): left to itself,
+UCX finds the other "node" is this machine and moves the data through shared memory,
+past the shaped link.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from hpctrain.cluster.spec import NODE_IFACE, ClusterSpec
+
+# UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link
+UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE}
+
+
+def launcher_script(spec: ClusterSpec, procs: dict[str, list[Path]]) -> str:
+    """The ssh-like launcher of ``spec``'s nodes; ``procs``: each host's cgroup.procs files."""
+    cases = []
+    for n in spec.nodes:
+        files = " ".join(shlex.quote(str(p)) for p in procs[n.hostname])
+        cases.append(f"  {n.hostname}|{n.address}) host={n.hostname} "
+                     f"ns={shlex.quote(spec.netns(n))} procs={shlex.quote(files)} ;;")
+    return f"""#!/bin/sh
+# Runs a command on a node of the emulated cluster {spec.name!r}, as ssh would:
+#   {{this file}} [ssh options] HOST COMMAND...
+# Written by `hpctrain cluster up`; mpiexec calls it with -launcher ssh -launcher-exec.
+while [ $# -gt 0 ]; do
+  case $1 in
+    -[bcDEeFIiJLlmOopQRSWw]) shift 2 ;;  # ssh options that take a value
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 2 ] || {{ echo "usage: $0 [options] HOST COMMAND..." >&2; exit 255; }}
+case $1 in
+{chr(10).join(cases)}
+  *) echo "$0: $1 is not a node of cluster {spec.name}" >&2; exit 255 ;;
+esac
+shift
+for f in $procs; do
+  echo $$ > "$f" || {{ echo "$0: cannot join $f" >&2; exit 255; }}
+done
+exec nsenter --net=/run/netns/$ns -- unshare --uts -- \\
+  /bin/sh -c 'hostname "$1" && shift && exec /bin/sh -c "$*"' sh "$host" "$@"
+"""
+
+
+def mpiexec_command(spec: ClusterSpec, launcher: Path, mpiexec: str, argv: list[str], *,
+                    ranks_per_node: int, ranks: int | None = None,
+                    nodes: list[str] | None = None) -> list[str]:
+    """``mpiexec`` over the cluster: ``ranks_per_node`` ranks on each node, filled node
+    by node in order (ranks 0..r-1 on the first), ``ranks`` in all (default: all
+    slots of ``nodes``, default every node)."""
+    hosts = nodes or [n.hostname for n in spec.nodes]
+    for h in hosts:
+        spec.node(h)  # an unknown host fails here, naming the nodes there are
+    slots = ranks_per_node * len(hosts)
+    ranks = slots if ranks is None else ranks
+    if not 1 <= ranks <= slots:
+        from hpctrain.config import ConfigError
+
+        raise ConfigError(f"ranks ({ranks}) must be between 1 and ranks per node * nodes "
+                          f"({ranks_per_node} * {len(hosts)} = {slots})")
+    env = [a for k, v in UCX_ENV.items() for a in ("-genv", k, v)]
+    return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(launcher), "-iface",
+            spec.bridge, "-hosts", ",".join(f"{h}:{ranks_per_node}" for h in hosts),
+            "-n", str(ranks), *env, *argv]
+
+
+def node_command(launcher: Path, host: str, argv: list[str]) -> list[str]:
+    """``argv`` run on node ``host`` (its cgroups, namespace and host name)."""
+    return [str(launcher), host, shlex.join(argv)]

@@ -1,0 +1,229 @@
+"""Bringing an emulated cluster up and down, and knowing whether one is up.
+
+A cluster named ``name`` keeps its state in ``/run/hpctrain/cluster-{name}/``
+(``state.json``, the launcher ``ssh``, the SLURM folder). ``/run`` is a tmpfs, so the
+state goes with a reboot, as the namespaces do. ``up`` and ``down`` hold a lock file
+beside it, so two of them never interleave.
+
+``up`` validates before it creates anything (the spec is checked when it is built;
+then root, the tools, the cgroup controllers, a free subnet and free names), records
+``building``, builds (switch, nodes with their links and shapers, cgroups, host
+names, launcher, SLURM), and records ``up``. If building fails, what was made is
+removed before the error is raised. A cluster already up is refused, unless its
+owner (``--owner PID``, what tests pass) has died: that cluster is a leftover of a
+killed run, and ``up`` removes it first, as it does a half-built one.
+
+``down`` removes everything of the name it is given, by name prefix, whether or not
+the state survived: processes inside the nodes, SLURM daemons, cgroups, namespaces,
+links, ``/etc/hosts`` lines and the state folder. With nothing up it does nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.cluster import cpu, launch, net, slurmd
+from hpctrain.cluster import spec as spec_mod
+from hpctrain.cluster.spec import ClusterSpec
+from hpctrain.cluster.system import ClusterError, alive, require_root
+
+STATE_ROOT = Path("/run/hpctrain")
+TOOLS = ("ip", "tc", "nsenter", "unshare")
+
+
+def state_dir(name: str) -> Path:
+    return STATE_ROOT / f"cluster-{name}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster that is up: its spec and where its state lives."""
+
+    spec: ClusterSpec
+    folder: Path
+    owner: int | None
+    since: float
+
+    @property
+    def launcher(self) -> Path:
+        return self.folder / "ssh"
+
+    @property
+    def slurm_conf(self) -> Path | None:
+        return self.folder / "slurm" / "slurm.conf" if self.spec.slurm else None
+
+    def mpiexec_command(self, argv: list[str], *, ranks_per_node: int,
+                        ranks: int | None = None, mpiexec: str = "mpiexec") -> list[str]:
+        return launch.mpiexec_command(self.spec, self.launcher, mpiexec, argv,
+                                      ranks_per_node=ranks_per_node, ranks=ranks)
+
+    def node_command(self, host: str, argv: list[str]) -> list[str]:
+        self.spec.node(host)
+        return launch.node_command(self.launcher, host, argv)
+
+    def env(self) -> dict[str, str]:
+        """What a shell needs to use the cluster: SLURM_CONF with SLURM."""
+        return {"SLURM_CONF": str(self.slurm_conf)} if self.spec.slurm else {}
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(STATE_ROOT / f"cluster-{name}.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ClusterError(f"another `hpctrain cluster up` or `down` of cluster {name!r} "
+                               f"is running") from None
+        yield
+
+
+def _read_state(name: str) -> dict | None:
+    try:
+        return json.loads((state_dir(name) / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(folder: Path, spec: ClusterSpec, status: str, owner: int | None) -> None:
+    tmp = folder / "state.json.tmp"
+    tmp.write_text(json.dumps({"status": status, "spec": spec.to_dict(), "owner": owner,
+                               "since": time.time()}, indent=2))
+    tmp.replace(folder / "state.json")
+
+
+def current(name: str = spec_mod.DEFAULT_NAME) -> Cluster:
+    """The cluster ``name`` that is up, or a ClusterError saying how to start one."""
+    state = _read_state(name)
+    if state is None or state.get("status") != "up":
+        raise ClusterError(f"no cluster {name!r} is up: start one with "
+                           f"`hpctrain cluster up` (as root)")
+    return Cluster(spec_mod.from_dict(state["spec"]), state_dir(name), state.get("owner"),
+                   state.get("since", 0.0))
+
+
+def leftovers(name: str) -> list[str]:
+    """What exists of cluster ``name`` on this machine (namespaces, links, state)."""
+    found = [f"netns {ns}" for ns in net.existing_netns(name)]
+    found += [f"link {link}" for link in net.existing_links(name)]
+    if state_dir(name).exists():
+        found.append(f"state {state_dir(name)}")
+    return found
+
+
+def preflight(spec: ClusterSpec) -> cpu.Cgroups:
+    """Everything ``up`` needs, checked before anything is made."""
+    require_root("hpctrain cluster up")
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        raise ClusterError(f"missing tool(s) {', '.join(missing)} (Debian: apt-get install "
+                           f"iproute2 util-linux)")
+    cgroups = cpu.detect()
+    clash = net.subnet_in_use(spec)
+    if clash:
+        raise ClusterError(f"subnet ({spec.subnet}) overlaps this machine's address(es) "
+                           f"{', '.join(clash)}: choose another with --subnet")
+    return cgroups
+
+
+def up(spec: ClusterSpec, *, owner: int | None = None, log=print) -> Cluster:
+    """Build the cluster (root). See the module docstring for the rules."""
+    cgroups = preflight(spec)
+    name = spec.name
+    with _locked(name):
+        state = _read_state(name)
+        if state and state.get("status") == "up" and _owner_alive(state):
+            raise ClusterError(
+                f"cluster {name!r} is already up ({len(state['spec']['nodes'])} node(s)): "
+                f"`hpctrain cluster down --name {name}` removes it")
+        found = leftovers(name)
+        if found:
+            why = ("its owner (pid {}) has ended".format(state.get("owner"))
+                   if state and state.get("status") == "up" else "it was not complete")
+            log(f"removing what is left of an earlier cluster {name!r} ({why}): "
+                f"{', '.join(found)}")
+            _remove(name, cgroups)
+        folder = state_dir(name)
+        folder.mkdir(parents=True)
+        _write_state(folder, spec, "building", owner)
+        try:
+            _build(spec, folder, cgroups, log)
+        except BaseException:
+            _remove(name, cgroups)
+            raise
+        _write_state(folder, spec, "up", owner)
+    return current(name)
+
+
+def _owner_alive(state: dict) -> bool:
+    owner = state.get("owner")
+    return owner is None or alive(int(owner))
+
+
+def _build(spec: ClusterSpec, folder: Path, cgroups: cpu.Cgroups, log) -> None:
+    t0 = time.perf_counter()
+    net.create_switch(spec)
+    for n in spec.nodes:
+        net.create_node(spec, n)
+    cpu.create(cgroups, spec)
+    net.add_hosts(spec)
+    procs = {n.hostname: cpu.procs_files(cgroups, spec, n) for n in spec.nodes}
+    launcher = folder / "ssh"
+    launcher.write_text(launch.launcher_script(spec, procs))
+    launcher.chmod(0o755)
+    log(f"cluster {spec.name!r}: {len(spec.nodes)} node(s) up in "
+        f"{time.perf_counter() - t0:.1f} s (cgroup v{cgroups.version})")
+    if spec.slurm:
+        slurmd.start(spec, folder / "slurm", launcher, log=log)
+
+
+def down(name: str = spec_mod.DEFAULT_NAME) -> list[str]:
+    """Remove everything of cluster ``name`` (root); what was removed (empty: nothing)."""
+    require_root("hpctrain cluster down")
+    with _locked(name):
+        if not leftovers(name) and not net.remove_hosts(name):
+            return []
+        return _remove(name, cpu.detect())
+
+
+def _remove(name: str, cgroups: cpu.Cgroups) -> list[str]:
+    """Every step runs, even after one fails; the first failure is raised at the end."""
+    removed: list[str] = []
+    errors: list[str] = []
+    folder = state_dir(name)
+    steps = [lambda: slurmd.stop(folder / "slurm"), lambda: cpu.remove(cgroups, name),
+             lambda: net.remove(name)]
+    for step in steps:
+        try:
+            removed += step()
+        except ClusterError as err:
+            errors.append(str(err))
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(f"state {folder}")
+    if errors:
+        raise ClusterError("; ".join(errors))
+    return removed
+
+
+def node_status(cluster: Cluster) -> list[dict]:
+    """Per node: address, CPU, link rate, processes, bytes through its link, CPU used."""
+    spec = cluster.spec
+    cgroups = cpu.detect()
+    rows = []
+    for n in spec.nodes:
+        sent, received = net.link_bytes(spec, n)
+        rows.append({"node": n.hostname, "address": n.address,
+                     "cpus": ",".join(map(str, n.cpus)) or "any", "cores": n.cpu_cores,
+                     "link": spec_mod.format_rate(n.link_bps),
+                     "processes": len(net.netns_pids(spec.netns(n))),
+                     "sent_bytes": sent, "received_bytes": received,
+                     "cpu_s": cpu.usage_s(cgroups, spec, n)})
+    return rows
