@@ -15,7 +15,8 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 
 .DEFAULT_GOAL := help
-.PHONY: help install system-deps data demo bench plot test test-serial test-mpi test-slurm lint clean
+.PHONY: help install system-deps data demo bench bench-cluster plot test test-serial test-mpi \
+        test-cluster test-cluster-if-root test-slurm cluster-down lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -50,14 +51,17 @@ demo: install data/shakespeare.h5 ## install, prepare Shakespeare, train a small
 bench: install data/shakespeare.h5 ## the benchmark GPT at serial, dp=2, tp=2, pp=2: MFU and time breakdown
 	$(BIN)/hpctrain bench --out runs/bench
 
+bench-cluster: install data/shakespeare.h5 ## links, flat vs hierarchical sync, GPT across nodes, per-node GEMM (root, ~10 min)
+	$(TEST_ENV) $(PY) benchmarks/bench_cluster.py --out runs/bench-cluster
+
 plot: ## PNG loss curves of the demo run (runs/demo/loss.png)
 	$(BIN)/hpctrain plot runs/demo
 
-test: install test-serial test-mpi test-slurm-if-possible ## serial suite, MPI suite at 2, 4, 8 ranks, SLURM suite
+test: install test-serial test-mpi test-cluster-if-root ## serial suite, MPI suite at 2, 4, 8 ranks, emulated cluster + SLURM suite
 
 test-serial: install
-	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/mpi --ignore=tests/slurm -q \
-	  --timeout=$(TEST_TIMEOUT)
+	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/mpi --ignore=tests/slurm \
+	  --ignore=tests/cluster -q --timeout=$(TEST_TIMEOUT)
 
 test-mpi: install
 	@for n in $(RANKS); do \
@@ -66,14 +70,29 @@ test-mpi: install
 	    --with-mpi tests/mpi -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) || exit 1; \
 	done
 
-test-slurm: install ## the job templates on a real one-node SLURM cluster (installs slurm; root or sudo)
-	$(TEST_ENV) $(PY) -m pytest tests/slurm -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT)
+# the clusters the suites build (tests/cluster, tests/slurm); removed after them, pass or fail
+TEST_CLUSTERS := hpctest hpctcpu hpctkill hpctbad hpctslm
 
-# the SLURM suite installs and starts daemons: it runs where that is allowed (root,
-# or sudo without a password, as in CI), and says so where it is not
-test-slurm-if-possible: install
-	@if [ "$$(id -u)" = 0 ] || sudo -n true 2>/dev/null; then $(MAKE) --no-print-directory test-slurm; \
-	else echo "== SLURM suite not run: it needs root or passwordless sudo (run: make test-slurm)"; fi
+test-cluster: install ## MPI across emulated nodes, SLURM on two nodes (root; installs slurm)
+	@echo "== emulated cluster suite (tests/cluster, tests/slurm)"
+	@status=0; $(TEST_ENV) $(PY) -m pytest tests/cluster tests/slurm -q -p no:cacheprovider \
+	  --timeout=$(TEST_TIMEOUT) || status=$$?; \
+	for name in $(TEST_CLUSTERS); do $(BIN)/hpctrain cluster down --name $$name >/dev/null || status=1; done; \
+	exit $$status
+
+test-slurm: install ## only the SLURM part of test-cluster (root)
+	@status=0; $(TEST_ENV) $(PY) -m pytest tests/slurm -q -p no:cacheprovider \
+	  --timeout=$(TEST_TIMEOUT) || status=$$?; \
+	$(BIN)/hpctrain cluster down --name hpctslm >/dev/null || status=1; exit $$status
+
+# the cluster suite creates namespaces, cgroups and daemons: it runs as root (as in
+# CI) and says so where it cannot
+test-cluster-if-root: install
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory test-cluster; \
+	else echo "== emulated cluster and SLURM suites not run: they need root (network namespaces, cgroups; run: sudo make test-cluster)"; fi
+
+cluster-down: ## remove every emulated cluster on this machine (root)
+	$(BIN)/hpctrain cluster down --all
 
 lint: install ## ruff over the code and tests
 	$(BIN)/ruff check hpctrain data_prep tests benchmarks

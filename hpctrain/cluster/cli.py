@@ -205,14 +205,20 @@ def exec_cmd(name, node, command) -> None:
 
 @cluster.command("down")
 @NAME
+@click.option("--all", "everything", is_flag=True,
+              help="Every cluster on this machine, whatever its name.")
 @_errors
-def down_cmd(name: str) -> None:
+def down_cmd(name: str, everything: bool) -> None:
     """Remove everything of the cluster: processes on its nodes, SLURM daemons, cgroups,
     namespaces, links, /etc/hosts lines, state. With nothing up it does nothing."""
     from hpctrain.cluster import lifecycle
 
-    removed = lifecycle.down(name)
-    if removed:
-        click.echo(f"cluster {name!r} removed: {', '.join(removed)}")
-    else:
-        click.echo(f"nothing of cluster {name!r} to remove")
+    names = lifecycle.known() if everything else [name]
+    if not names:
+        click.echo("no emulated cluster on this machine")
+    for n in names:
+        removed = lifecycle.down(n)
+        if removed:
+            click.echo(f"cluster {n!r} removed: {', '.join(removed)}")
+        else:
+            click.echo(f"nothing of cluster {n!r} to remove")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -113,6 +114,7 @@ def leftovers(name: str) -> list[str]:
     """What exists of cluster ``name`` on this machine (namespaces, links, state)."""
     found = [f"netns {ns}" for ns in net.existing_netns(name)]
     found += [f"link {link}" for link in net.existing_links(name)]
+    found += [f"cgroup {top}" for top in _cgroup_tops(name)]
     if state_dir(name).exists():
         found.append(f"state {state_dir(name)}")
     return found
@@ -182,6 +184,45 @@ def _build(spec: ClusterSpec, folder: Path, cgroups: cpu.Cgroups, log) -> None:
         f"{time.perf_counter() - t0:.1f} s (cgroup v{cgroups.version})")
     if spec.slurm:
         slurmd.start(spec, folder / "slurm", launcher, log=log)
+
+
+@contextmanager
+def running(spec: ClusterSpec, *, log=print) -> Iterator[Cluster]:
+    """The cluster for the length of a ``with`` block (tests, benchmarks), removed at
+    its end, pass or fail. It belongs to this process: if the process is killed
+    first, the next ``up`` of the name removes it."""
+    cluster = up(spec, owner=os.getpid(), log=log)
+    try:
+        yield cluster
+    finally:
+        down(spec.name)
+        left = leftovers(spec.name)
+        if left:
+            raise ClusterError(f"cluster {spec.name!r} leaked: {', '.join(left)}")
+
+
+def known() -> list[str]:
+    """The names of every cluster with something on this machine: a state folder, a
+    node namespace (``{name}-{name}K``) or marked ``/etc/hosts`` lines."""
+    names = {p.name.removeprefix("cluster-") for p in STATE_ROOT.glob("cluster-*")
+             if p.is_dir()}
+    for ns in net.existing_netns(""):
+        name, _, node = ns.partition("-")
+        if node.startswith(name) and node[len(name):].isdigit():
+            names.add(name)
+    names.update(net.marked_hosts())
+    names.update(top.name.removeprefix("hpctrain-") for top in _cgroup_tops("*"))
+    return sorted(names)
+
+
+def _cgroup_tops(name: str) -> list[Path]:
+    """The cluster's cgroup directories that exist (``name`` may be a glob)."""
+    try:
+        cg = cpu.detect()
+    except ClusterError:
+        return []
+    return sorted(p for root in {cg.cpu, cg.cpuset} for p in root.glob(f"hpctrain-{name}")
+                  if p.is_dir())
 
 
 def down(name: str = spec_mod.DEFAULT_NAME) -> list[str]:

@@ -76,7 +76,7 @@ def subnet_in_use(spec: ClusterSpec) -> list[str]:
     for line in out.splitlines():
         parts = line.split()
         dev, addr = parts[1], parts[3]
-        if dev.startswith(spec.name):
+        if dev == spec.bridge:
             continue
         if ipaddress.ip_interface(addr).network.overlaps(subnet):
             clash.append(f"{addr} on {dev}")
@@ -125,6 +125,14 @@ def remove_hosts(name: str) -> bool:
     if kept != text:
         HOSTS.write_text(kept)
     return kept != text
+
+
+def marked_hosts() -> set[str]:
+    """The cluster names that have lines in ``/etc/hosts``."""
+    marker = hosts_marker("")
+    text = HOSTS.read_text() if HOSTS.exists() else ""
+    return {line.rsplit(marker, 1)[1].strip() for line in text.splitlines()
+            if marker in line}
 
 
 def _without_marked(text: str, name: str) -> str:

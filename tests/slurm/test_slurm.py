@@ -1,11 +1,14 @@
-"""The job templates on a real one-node SLURM cluster (``make test-slurm``).
+"""The job templates on a real two-node SLURM cluster (part of ``make test-cluster``).
 
-``cluster.sh`` installs Debian's slurm and munge when missing, starts the daemons on
-loopback with their state in a temporary folder, and the fixture stops exactly those
-daemons at the end. The tests submit the real ``jobscripts/`` with ``sbatch``:
-data preparation, the prep -> train chain with ``--dependency=afterok``, and a
-training job preempted with ``scancel --signal=USR1`` that must requeue itself,
-resume from its checkpoint and end with the loss curve of an uninterrupted run.
+The fixture brings up an emulated cluster of two nodes (``hpctrain cluster``: network
+namespaces, shaped links, cgroups) with ``slurmctld`` on this machine and a ``slurmd``
+in each node; Debian's slurm and munge are installed when missing. At the end
+everything is removed, pass or fail. The tests submit the real ``jobscripts/`` with
+``sbatch``: data preparation, the prep -> train chain with ``--dependency=afterok``,
+one job across both nodes with ``srun --mpi=pmi2`` and with ``mpiexec`` inside the
+allocation, and a two-node training job preempted with ``scancel --signal=USR1`` that
+must requeue itself, resume from its checkpoint and end with the loss curve of an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.cluster import lifecycle, net
+from hpctrain.cluster import spec as spec_mod
 from hpctrain.metrics import read_metrics
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the SLURM cluster runs on emulated nodes, which need root: "
+                              "run `sudo make test-cluster`")
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
 
 TINY_GPT = """
 [model]
@@ -45,17 +53,23 @@ path = "{data}"
 """
 
 
+SPEC = spec_mod.build({"name": "hpctslm", "subnet": "10.216.0.0/24", "link": "1gbit",
+                       "slurm": True, "slurm_cpus": 4, "nodes": [{"count": 2, "cores": 1}]})
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    state = tmp_path_factory.mktemp("slurm")
-    subprocess.run(["bash", str(CLUSTER), "start", str(state)], check=True, timeout=300)
-    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
-           "HPCTRAIN": str(BIN / "hpctrain"), "PREP": str(BIN / "hpctrain-prep"),
-           "OMP_NUM_THREADS": "1"}
-    try:
-        yield env
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], timeout=120)
+def emulated():
+    with lifecycle.running(SPEC) as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def cluster(emulated):
+    """The environment every SLURM command of the tests runs with (the jobs inherit it:
+    the venv's mpiexec on PATH, as with the venv activated)."""
+    return {**os.environ, **emulated.env(), "PATH": f"{BIN}:{os.environ['PATH']}",
+            "HPCTRAIN": str(BIN / "hpctrain"),
+            "PREP": str(BIN / "hpctrain-prep"), "OMP_NUM_THREADS": "1"}
 
 
 def sbatch(env, script, *options, **variables) -> str:
@@ -127,10 +141,10 @@ def test_chain_runs_train_after_prep_and_exit_codes_propagate(cluster, tmp_path)
 
 def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster, text_data,
                                                                         tmp_path):
-    steps = 600  # 3 to 5 s of training: the signal lands mid-run, after step 8
+    steps = 600  # seconds of training: the signal lands mid-run, after step 8
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_GPT.format(steps=steps, data=text_data))
-    common = [f"--chdir={tmp_path}", "--ntasks-per-node=2"]
+    common = [f"--chdir={tmp_path}", "--nodes=2", "--ntasks-per-node=2"]
     job = sbatch(cluster, "train.sbatch", *common, CONFIG=cfg, RUN_DIR=tmp_path / "preempted",
                  TRAIN_ARGS="--save-interval 1000")
     metrics = tmp_path / "preempted" / "metrics.jsonl"
@@ -159,6 +173,32 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
             for r in read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")}
     assert sorted(got) == list(range(1, steps + 1))
     assert got == want  # bitwise: same layout, resumed from an exact checkpoint
+
+
+def test_one_job_across_two_nodes_with_srun_and_with_mpiexec(cluster, emulated, text_data,
+                                                            tmp_path):
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_GPT.format(steps=6, data=text_data))
+    sent_before = [net.link_bytes(emulated.spec, n)[0] for n in emulated.spec.nodes]
+    curves = {}
+    for launcher in ("srun", "mpiexec"):
+        job = sbatch(cluster, "train.sbatch", f"--chdir={tmp_path}", "--nodes=2",
+                     "--ntasks-per-node=2", CONFIG=cfg, RUN_DIR=tmp_path / launcher,
+                     LAUNCHER=launcher, TRAIN_ARGS="--tp 2")
+        fields = wait_for(cluster, job)
+        log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
+        assert fields["JobState"] == "COMPLETED", log
+        assert fields["NodeList"] == "hpctslm[0-1]", fields
+        assert "layout: 4 ranks = 2 node(s) x 2" in log and "spans nodes" not in log, log
+        curves[launcher] = [r["loss"] for r in read_metrics(tmp_path / launcher /
+                                                            "metrics.jsonl")]
+    assert len(curves["srun"]) == 6 and curves["srun"] == curves["mpiexec"]
+    # the gradients crossed the links: the data groups join the nodes, so in each of 6
+    # steps of 2 jobs every node sent at least the gradient of one tensor shard, half
+    # of the model's 42k float64 parameters
+    sent = [net.link_bytes(emulated.spec, n)[0] - b
+            for n, b in zip(emulated.spec.nodes, sent_before, strict=True)]
+    assert all(s > 2 * 6 * 21_000 * 8 for s in sent), sent
 
 
 def test_render_refuses_layouts_that_do_not_fit(tmp_path):

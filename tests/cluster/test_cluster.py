@@ -1,0 +1,216 @@
+"""A real emulated cluster: two nodes in network namespaces, shaped links, cgroups.
+
+The module's cluster (``hpctest``: 2 nodes of one core each, 1 Gbit/s) is built once
+and removed at the end, pass or fail; its owner is this process, so if the process
+is killed the next ``up`` of the name clears it (and ``make test`` runs
+``hpctrain cluster down`` after the suite). Each test that needs a cluster of
+another shape builds its own, under another name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain.cluster import lifecycle, net
+from hpctrain.cluster import spec as spec_mod
+from hpctrain.metrics import read_metrics
+from hpctrain.testing import mpiexec, run_train, tiny_corpus_config
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the emulated cluster needs root (network namespaces, cgroups): "
+                              "run `sudo make test-cluster`")
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("probe.py")
+HPCTRAIN = [sys.executable, "-m", "hpctrain.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+TINY_GPT = """
+[model]
+seq_len = 16
+n_layer = 2
+n_head = 4
+d_model = 32
+dtype = "float64"
+[train]
+steps = 8
+batch_size = 8
+lr = 3e-3
+warmup_steps = 2
+eval_interval = 0
+log_interval = 1
+seed = 7
+[data]
+path = "{data}"
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = spec_mod.uniform(2, cores=1, link="1gbit", name="hpctest")
+    with lifecycle.running(spec) as cl:
+        yield cl
+
+
+def run_on(cl, argv: list[str], *, ranks_per_node: int, ranks: int | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = cl.mpiexec_command(argv, ranks_per_node=ranks_per_node, ranks=ranks,
+                             mpiexec=mpiexec())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
+                          cwd=ROOT)
+
+
+def probe(cl, nbytes: int, **placement) -> list[dict]:
+    result = run_on(cl, [sys.executable, str(PROBE), str(nbytes)], **placement, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def link_bytes(cl) -> list[int]:
+    """Bytes each node has sent through its link so far."""
+    return [net.link_bytes(cl.spec, n)[0] for n in cl.spec.nodes]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*HPCTRAIN, "cluster", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_ranks_fill_the_nodes_in_order_and_mpi_sees_each_node(cluster):
+    records = probe(cluster, 8, ranks_per_node=2)
+    assert [r["host"] for r in records] == ["hpctest0", "hpctest0", "hpctest1", "hpctest1"]
+    assert [r["node_size"] for r in records] == [2, 2, 2, 2]
+    assert [r["node_rank"] for r in records] == [0, 1, 0, 1]
+    assert all(r["sum_ok"] for r in records)
+
+
+def test_traffic_between_nodes_crosses_the_link_and_inside_a_node_does_not(cluster):
+    nbytes = 8 << 20
+    before = link_bytes(cluster)
+    records = probe(cluster, nbytes, ranks_per_node=1)  # one rank on each node
+    between = [a - b for a, b in zip(link_bytes(cluster), before, strict=True)]
+    assert all(r["sum_ok"] for r in records)
+    # an all-reduce of two ranks sends the whole vector each way (and MPI_Init's chatter)
+    assert all(nbytes <= sent <= 3 * nbytes for sent in between), between
+    before = link_bytes(cluster)
+    records = probe(cluster, nbytes, ranks_per_node=2, ranks=2)  # both ranks on node 0
+    inside = [a - b for a, b in zip(link_bytes(cluster), before, strict=True)]
+    assert [r["host"] for r in records] == ["hpctest0", "hpctest0"]
+    assert all(r["sum_ok"] for r in records)
+    assert all(sent < nbytes // 16 for sent in inside), inside  # control messages only
+
+
+LAYOUTS = ["dp2-tp2-pp1-1f1b-zero0", "dp2-tp2-pp1-1f1b-zero2", "dp2-tp1-pp2-1f1b-zero1",
+           "dp1-tp2-pp2-interleaved-zero0", "dp4-tp1-pp1-1f1b-zero0"]
+
+
+def test_layouts_across_nodes_reproduce_the_serial_loss_curve(cluster):
+    """The MPI equivalence suite's layouts on 2 nodes x 2 ranks: each tensor group inside
+    a node, the pipeline stages of dp2-pp2 and tp2-pp2 on different nodes."""
+    tests = [f"tests/mpi/test_equivalence.py::test_every_layout_reproduces_the_serial_loss_"
+             f"curve[{layout}]" for layout in LAYOUTS]
+    result = run_on(cluster, [sys.executable, "-m", "mpi4py", "-m", "pytest", "--with-mpi",
+                              *tests, "-q", "-p", "no:cacheprovider", "--timeout=300"],
+                    ranks_per_node=2, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"{len(LAYOUTS)} passed" in result.stdout, result.stdout[-2000:]
+
+
+def test_hpctrain_train_across_nodes_equals_one_node(cluster, tmp_path):
+    cfg = tiny_corpus_config(tmp_path, TINY_GPT, "to be, or not to be, that is the question",
+                             400)
+    one_node = run_train(4, cfg, tmp_path / "one", "--tp", "2")
+    assert one_node.returncode == 0, one_node.stderr
+    across = run_on(cluster, [*HPCTRAIN, "train", "--config", str(cfg), "--run-dir",
+                              str(tmp_path / "two"), "--tp", "2"], ranks_per_node=2)
+    assert across.returncode == 0, across.stderr
+    assert "spans nodes" not in across.stdout
+    want = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")]
+    got = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
+    assert len(got) == len(want) == 8
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= 1e-8
+    # a tensor group across the two nodes trains, but says its all-reduces cross the network
+    spans = run_on(cluster, [*HPCTRAIN, "train", "--config", str(cfg), "--run-dir",
+                             str(tmp_path / "spans"), "--tp", "4", "--steps", "1"],
+                   ranks_per_node=2)
+    assert spans.returncode == 0, spans.stderr
+    assert "warning: a tensor-parallel group (tp = 4) spans nodes" in spans.stdout
+
+
+def test_a_node_at_half_share_gets_half_a_core():
+    """The CPU cap holds: a spinning process on the half node uses <= 0.5 core, on the
+    full node about 1 (cgroup accounting of the node's own processes)."""
+    spec = spec_mod.build({"name": "hpctcpu", "subnet": "10.214.0.0/24",
+                           "nodes": [{"count": 1, "cpu_share": 1.0},
+                                     {"count": 1, "cpu_share": 0.5}]})
+    spin = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 2: pass"]
+    with lifecycle.running(spec) as cl:
+        cores = []
+        for n in spec.nodes:
+            start = lifecycle.node_status(cl)[n.index]["cpu_s"]
+            t0 = time.monotonic()
+            subprocess.run(cl.node_command(n.hostname, spin), check=True, timeout=60)
+            used = lifecycle.node_status(cl)[n.index]["cpu_s"] - start
+            cores.append(used / (time.monotonic() - t0))
+    print(f"cores used: full node {cores[0]:.2f}, half node {cores[1]:.2f}")
+    assert cores[1] <= 0.55, cores
+    assert cores[0] >= 0.7, cores  # the full node was not capped (start-up takes a little)
+
+
+def test_up_refuses_a_cluster_that_is_up_and_down_twice_is_harmless(cluster):
+    result = cli("up", "--name", "hpctest")
+    assert result.returncode == 1 and "cluster 'hpctest' is already up" in result.stderr
+    assert "nothing of cluster 'hpctnone' to remove" in cli("down", "--name", "hpctnone").stdout
+    status = cli("status", "--name", "hpctest")
+    assert status.returncode == 0 and "hpctest1" in status.stdout, status.stderr
+
+
+def test_a_second_up_after_a_killed_run_works():
+    name = "hpctkill"
+    owner = subprocess.Popen(["sleep", "60"])
+    try:
+        # a run killed while building its cluster: the cluster is half made or whole
+        up = subprocess.Popen([*HPCTRAIN, "cluster", "up", "--name", name, "--nodes", "6",
+                               "--subnet", "10.215.0.0/24",
+                               "--owner", str(owner.pid)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+        state = lifecycle.state_dir(name) / "state.json"
+        deadline = time.monotonic() + 60
+        while not state.exists() and time.monotonic() < deadline and up.poll() is None:
+            time.sleep(0.002)
+        up.send_signal(signal.SIGKILL)
+        up.wait()
+        owner.kill()  # the run that owned it has ended
+        owner.wait()
+        assert lifecycle.leftovers(name), "the killed up left nothing: it was killed too early"
+        again = cli("up", "--name", name, "--nodes", "2", "--subnet", "10.215.0.0/24")
+        assert again.returncode == 0, again.stderr
+        assert f"removing what is left of an earlier cluster '{name}'" in again.stdout
+        assert net.existing_netns(name) == [f"{name}-{name}0", f"{name}-{name}1"]
+    finally:
+        owner.kill()
+        gone = cli("down", "--name", name)
+    assert gone.returncode == 0 and not lifecycle.leftovers(name), gone.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "nodes (0) must be at least 1"),
+    (["--cores", str((os.cpu_count() or 1) + 1)], "must be between 1 and this machine's cores"),
+    (["--link", "0mbit"], "link ('0mbit') must be a positive rate"),
+    (["--link", "1 gigabit"], "link ('1 gigabit') must be a positive rate"),
+    (["--cpu-share", "0"], "cpu_share (0.0) must be in (0, 1]"),
+    (["--cpu-share", "1.01"], "cpu_share (1.01) must be in (0, 1]"),
+])
+def test_bad_input_is_refused_before_anything_is_made(args, message):
+    result = cli("up", "--name", "hpctbad", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert lifecycle.leftovers("hpctbad") == []
+    assert "hpctbad" not in Path("/etc/hosts").read_text()
