@@ -28,6 +28,7 @@ OVERRIDES = {
     "sequence_parallel": "parallel.sequence_parallel",
     "zero": "parallel.zero",
     "bucket_mb": "parallel.bucket_mb",
+    "dp_reduce": "parallel.dp_reduce",
     "steps": "train.steps",
     "seed": "train.seed",
     "run_dir": "train.run_dir",
@@ -69,6 +70,10 @@ def main() -> None:
 @click.option("--bucket-mb", type=float,
               help="Gradient bucket size in MiB: each bucket is reduced as soon as backward "
                    "has finished it.")
+@click.option("--dp-reduce", type=click.Choice(["flat", "hierarchical"]),
+              help="Gradient sum over the data group: one all-reduce (flat), or reduce in "
+                   "each node, all-reduce among node leaders, broadcast (hierarchical; "
+                   "ZeRO 0).")
 @click.option("--steps", type=int, help="Optimizer steps to run.")
 @click.option("--seed", type=int, help="Seed for initialisation and data order.")
 @click.option("--run-dir", type=click.Path(file_okay=False),

@@ -63,20 +63,22 @@ def run_mpi(nprocs: int, args: list[str], *, timeout: float, env: dict | None = 
                           text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
-def train_losses(cfg, comm, batches, *, steps: int | None = None) -> list[float]:
+def train_losses(cfg, comm, batches, *, steps: int | None = None,
+                 node_key: int | None = None) -> list[float]:
     """Train ``cfg`` (validated for ``comm``'s size) on given *global* batches.
 
     ``batches``: a list of (x, y) global batches, the same on every rank; each data-
     parallel rank takes its contiguous slice, as the loader does for unpartitioned
     files. Returns the loss of every step (the serial curve when comm has one rank).
-    Used by the equivalence tests of every parallel layout.
+    Used by the equivalence tests of every parallel layout. ``node_key``: this rank's
+    emulated node (``Topology.build``).
     """
     from hpctrain.optim import schedule
     from hpctrain.parallel.engine import build_engine
     from hpctrain.parallel.topology import Topology
     from hpctrain.train import make_data_parallel, train_step
 
-    topo = Topology.build(comm, cfg.parallel)
+    topo = Topology.build(comm, cfg.parallel, node_key=node_key)
     engine = build_engine(cfg, topo)
     dp = make_data_parallel(cfg, engine, topo)
     t = cfg.train

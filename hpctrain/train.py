@@ -36,7 +36,7 @@ from hpctrain.runtime import (
     set_blas_threads,
     startup_check,
 )
-from hpctrain.slurm.placement import blas_threads_per_rank, node_layout, tensor_group_warning
+from hpctrain.slurm.placement import blas_threads_per_rank, tensor_group_warning
 
 
 @dataclass
@@ -63,12 +63,18 @@ def make_optimizer(cfg: Config, named_params, decay=None):
 
 def make_data_parallel(cfg: Config, engine, topo: Topology):
     """Gradient synchronisation and optimizer for ``cfg.parallel.zero``: stage 0 is
-    ``DataParallel``, stages 1 and 2 ``ZeroDataParallel`` (collective over the model
-    group at construction for ZeRO)."""
+    ``DataParallel`` (flat or hierarchical, ``cfg.parallel.dp_reduce``), stages 1 and 2
+    ``ZeroDataParallel`` (collective over the model group at construction for ZeRO,
+    over each node's part of the data group for the hierarchical reduction)."""
     par = cfg.parallel
     if par.zero == 0:
+        launch = None
+        if par.dp_reduce == "hierarchical":
+            from hpctrain.parallel.hierarchy import hierarchical_launcher
+
+            launch = hierarchical_launcher(topo)
         return DataParallel(engine, make_optimizer(cfg, engine.named_params), topo.dp_comm,
-                            bucket_mb=par.bucket_mb)
+                            bucket_mb=par.bucket_mb, launch=launch)
     from hpctrain.parallel.zero import ZeroDataParallel
 
     return ZeroDataParallel(engine, topo, stage=par.zero, bucket_mb=par.bucket_mb,
@@ -217,7 +223,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
     """
     topo = Topology.build(comm, cfg.parallel)
-    nodes = node_layout(comm, topo.tp_comm)
+    nodes = topo.nodes
     threads = set_blas_threads(cfg.train.blas_threads
                                or blas_threads_per_rank(nodes.ranks_on_node))
     keep_freed_memory()

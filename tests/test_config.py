@@ -87,6 +87,9 @@ def cfg_with(world=1, **kw):
      r"tp \(2\) to divide seq_len \(7\)"),
     (cfg_with(1, train__save_interval=-1), r"save_interval \(-1\) must not be negative"),
     (cfg_with(1, train__keep_checkpoints=0), r"keep_checkpoints \(0\) must be at least 1"),
+    (cfg_with(2, parallel__dp_reduce="tree"), r"dp_reduce \('tree'\) must be one of flat, "),
+    (cfg_with(2, parallel__dp_reduce="hierarchical", parallel__zero=2),
+     r"dp_reduce \('hierarchical'\) needs zero 0 \(zero is 2\)"),
 ])
 def test_each_rule_names_its_values(args, message):
     cfg, world = args

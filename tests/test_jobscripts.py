@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from hpctrain.cli import main
 from hpctrain.config import ConfigError
-from hpctrain.slurm.placement import NodeLayout, blas_threads_per_rank, tensor_group_warning
+from hpctrain.parallel.topology import NodeLayout
+from hpctrain.slurm.placement import blas_threads_per_rank, tensor_group_warning
 from hpctrain.slurm.render import TEMPLATES, JobRequest, check_fit, render
 
 SCRIPTS = sorted(TEMPLATES.glob("*.sbatch")) + sorted(TEMPLATES.glob("*.sh"))

@@ -124,8 +124,10 @@ class GradBuckets:
     """The flat gradient buffers behind every ``param.grad``, and their bucketed reduction.
 
     ``launch(bucket, view) -> request | None`` starts the bucket's collective over the
-    data group (None: nothing to wait for, e.g. one rank); ``poll_interval`` is the
-    helper thread's period in seconds (0: no thread, the hooks launch and test).
+    data group (None: nothing to wait for, e.g. one rank); a request is an MPI request
+    or an object with ``Test()`` and ``Wait()`` (``hierarchy.HierarchicalReduce``).
+    ``poll_interval`` is the helper thread's period in seconds (0: no thread, the hooks
+    launch and test).
     Per step: ``zero`` (fresh zero gradients), backward with ``mark_ready`` calls,
     then ``wait``. ``release`` drops the buffers (ZeRO-2 keeps only its shard);
     ``zero`` allocates them again.
@@ -262,9 +264,7 @@ class GradBuckets:
         """Whether every request launched so far is complete (testing moves them)."""
         if not self._requests:
             return True
-        from mpi4py import MPI
-
-        done = MPI.Request.Testall(self._requests)
+        done = _test_all(self._requests)
         if done:
             self._trace_completed()
         return done
@@ -275,6 +275,11 @@ class GradBuckets:
         for index, start in self._launched:
             trace.active().add(f"bucket {index}", "dp_comm", start, now, bucket=index)
         self._launched = []
+
+    def test(self) -> bool:
+        """Whether every bucket launched so far is reduced (moves them on; no thread may
+        be driving them: call after ``wait`` stopped it, or with ``poll_interval`` 0)."""
+        return self._test()
 
     def wait(self) -> None:
         """Launch the buckets not yet launched, wait for all: the gradients are reduced.
@@ -311,11 +316,26 @@ class GradBuckets:
         return times
 
 
-def _wait_all(requests: list) -> None:
-    if requests:
-        from mpi4py import MPI
+def _test_all(requests: list) -> bool:
+    """Whether every request is complete: MPI requests, or objects with ``Test()`` and
+    ``Wait()`` (``hierarchy``'s buckets of several phases). Testing moves them."""
+    from mpi4py import MPI
 
+    if all(isinstance(r, MPI.Request) for r in requests):
+        return MPI.Request.Testall(requests)
+    return all([r.Test() for r in requests])
+
+
+def _wait_all(requests: list) -> None:
+    if not requests:
+        return
+    from mpi4py import MPI
+
+    if all(isinstance(r, MPI.Request) for r in requests):
         MPI.Request.Waitall(requests)
+    else:
+        for r in requests:
+            r.Wait()
 
 
 def allreduce_launcher(dp_comm: Any):
@@ -337,10 +357,13 @@ class DataParallel:
 
     stage = 0
 
-    def __init__(self, engine: Any, optimizer: Any, dp_comm: Any, *, bucket_mb: float):
+    def __init__(self, engine: Any, optimizer: Any, dp_comm: Any, *, bucket_mb: float,
+                 launch=None):
+        """``launch``: how a bucket is summed over the data group (default
+        ``allreduce_launcher(dp_comm)``; ``hierarchy.hierarchical_launcher`` for nodes)."""
         self.engine, self.optimizer, self.dp_comm = engine, optimizer, dp_comm
         self.dp_size = dp_comm.Get_size()
-        self.grads = GradBuckets(engine.params, allreduce_launcher(dp_comm),
+        self.grads = GradBuckets(engine.params, launch or allreduce_launcher(dp_comm),
                                  bucket_mb=bucket_mb,
                                  poll_interval=POLL_INTERVAL if self.dp_size > 1 else 0.0)
         engine.on_grads_ready = self.grads.mark_ready

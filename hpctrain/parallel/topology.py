@@ -20,6 +20,21 @@ collectives, stay on the node's memory bus. For 8 ranks with dp = tp = pp = 2::
       6  |  1  1  0 |   [6, 7]        [4, 6]       [2, 6]
       7  |  1  1  1 |   [6, 7]        [5, 7]       [3, 7]
 
+Nodes. ``Topology.build`` also finds which ranks share a node (MPI's shared-memory
+split, or a ``node_key`` per rank, which tests use to emulate nodes on one machine)
+and splits each data group by node, for the hierarchical gradient reduction
+(``hierarchy.py``). 8 ranks on 4 nodes of 2, dp = 8: the data group [0..7] becomes
+four node groups and one group of node leaders::
+
+    node          |  n0   |  n1   |  n2   |  n3   |
+    ranks         | 0   1 | 2   3 | 4   5 | 6   7 |
+    dp_node_comm  | [0,1] | [2,3] | [4,5] | [6,7] |   reduce, then broadcast, inside a node
+    dp_leader_comm| 0     | 2     | 4     | 6     |   all-reduce among the nodes
+
+With dp = 4, tp = 2 on the same nodes the data groups are [0,2,4,6] and [1,3,5,7]:
+one member per node, so every dp_node_comm has one rank and the leaders are the whole
+group. ``NodeLayout`` tells whether a tensor group spans nodes.
+
 The arithmetic (``coords``, ``rank_of``, ``group_ranks``) is pure and tested without
 MPI. ``Topology.build`` is the one place where communicators are created; everything
 else receives the communicator it uses as an argument.
@@ -90,13 +105,28 @@ class GridShape:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where this rank runs: nodes are numbered by their lowest world rank."""
+
+    node_index: int  # this rank's node
+    num_nodes: int
+    ranks_on_node: int
+    tp_spans_nodes: bool  # True if this rank's tensor group crosses a node boundary
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and the communicators of its groups.
 
     ``tp_comm`` joins the ranks that split one layer; ``dp_comm`` the replicas of one
     model shard; ``pp_comm`` the stages of one pipeline, ordered by stage;
-    ``model_comm`` all shards of one model replica (tp * pp ranks).
+    ``model_comm`` all shards of one model replica (tp * pp ranks). ``node_comm``:
+    the world ranks on this rank's node; ``dp_node_comm``: the members of ``dp_comm``
+    on this node, by dp rank, and ``dp_node_bcast_comm`` a duplicate of it (the
+    hierarchical reduction's broadcasts, ordered apart from its reduces);
+    ``dp_leader_comm``: the first of them on every node, by dp rank
+    (``MPI.COMM_NULL`` on the other ranks).
     """
 
     shape: GridShape
@@ -106,12 +136,19 @@ class Topology:
     dp_comm: Any
     pp_comm: Any
     model_comm: Any
+    node_comm: Any
+    dp_node_comm: Any
+    dp_node_bcast_comm: Any
+    dp_leader_comm: Any
+    nodes: NodeLayout
 
     @classmethod
-    def build(cls, comm: Any, parallel: Any) -> Topology:
+    def build(cls, comm: Any, parallel: Any, node_key: int | None = None) -> Topology:
         """Split ``comm`` into the grid given by a validated ``ParallelConfig``.
 
-        Collective over ``comm``: every rank calls ``Split`` four times, in the same order.
+        ``node_key``: this rank's node, the same int on every rank of a node (tests
+        emulate nodes with it); default: the ranks MPI puts in one shared-memory domain.
+        Collective over ``comm``: every rank makes the same splits in the same order.
         """
         shape = GridShape(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp)
         if shape.world_size != comm.Get_size():
@@ -125,7 +162,15 @@ class Topology:
         dp_comm = comm.Split(color=c.pp * shape.tp + c.tp, key=c.dp)
         pp_comm = comm.Split(color=c.dp * shape.tp + c.tp, key=c.pp)
         model_comm = comm.Split(color=c.dp, key=c.pp * shape.tp + c.tp)
-        return cls(shape, rank, comm, tp_comm, dp_comm, pp_comm, model_comm)
+        node_comm, nodes, node_id = _split_nodes(comm, tp_comm, node_key)
+        # node_id is the node's lowest world rank: the same on all its ranks
+        dp_node_comm = dp_comm.Split(color=node_id, key=c.dp)
+        leader = dp_node_comm.Get_rank() == 0
+        from mpi4py import MPI
+
+        dp_leader_comm = dp_comm.Split(color=0 if leader else MPI.UNDEFINED, key=c.dp)
+        return cls(shape, rank, comm, tp_comm, dp_comm, pp_comm, model_comm, node_comm,
+                   dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes)
 
     @property
     def coords(self) -> Coords:
@@ -175,5 +220,28 @@ class Topology:
 
     def free(self) -> None:
         """Release the communicators this topology created (collective)."""
-        for comm in (self.tp_comm, self.dp_comm, self.pp_comm, self.model_comm):
-            comm.Free()
+        from mpi4py import MPI
+
+        for comm in (self.tp_comm, self.dp_comm, self.pp_comm, self.model_comm,
+                     self.node_comm, self.dp_node_comm, self.dp_node_bcast_comm,
+                     self.dp_leader_comm):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+
+def _split_nodes(comm: Any, tp_comm: Any, node_key: int | None) -> tuple[Any, NodeLayout, int]:
+    """This rank's node communicator, its NodeLayout and its node's id (lowest world
+    rank on the node). Collective over ``comm`` (one split, one bcast in the node, one
+    allgather over comm and one over ``tp_comm``)."""
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    if node_key is None:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    else:
+        node_comm = comm.Split(color=node_key, key=rank)
+    node_id = node_comm.bcast(rank, root=0)
+    ids = sorted(set(comm.allgather(node_id)))
+    tp_nodes = set(tp_comm.allgather(node_id))
+    layout = NodeLayout(ids.index(node_id), len(ids), node_comm.Get_size(), len(tp_nodes) > 1)
+    return node_comm, layout, node_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,14 +115,17 @@ LAYOUTS = ["dp2-tp2-pp1-1f1b-zero0", "dp2-tp2-pp1-1f1b-zero2", "dp2-tp1-pp2-1f1b
 
 def test_layouts_across_nodes_reproduce_the_serial_loss_curve(cluster):
     """The MPI equivalence suite's layouts on 2 nodes x 2 ranks: each tensor group inside
-    a node, the pipeline stages of dp2-pp2 and tp2-pp2 on different nodes."""
+    a node, the pipeline stages of dp2-pp2 and tp2-pp2 on different nodes; and the
+    node-aware suite, whose "mpi" placement now sees two real nodes."""
     tests = [f"tests/mpi/test_equivalence.py::test_every_layout_reproduces_the_serial_loss_"
-             f"curve[{layout}]" for layout in LAYOUTS]
+             f"curve[{layout}]" for layout in LAYOUTS] + ["tests/mpi/test_hierarchy_mpi.py"]
     result = run_on(cluster, [sys.executable, "-m", "mpi4py", "-m", "pytest", "--with-mpi",
                               *tests, "-q", "-p", "no:cacheprovider", "--timeout=300"],
                     ranks_per_node=2, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"{len(LAYOUTS)} passed" in result.stdout, result.stdout[-2000:]
+    passed = re.search(r"^(\d+) passed in", result.stdout, re.M)
+    assert passed and int(passed.group(1)) >= len(LAYOUTS) + 18, result.stdout[-2000:]
+    assert "failed" not in result.stdout and "skipped" not in result.stdout
 
 
 def test_hpctrain_train_across_nodes_equals_one_node(cluster, tmp_path):
@@ -135,6 +139,17 @@ def test_hpctrain_train_across_nodes_equals_one_node(cluster, tmp_path):
     assert "spans nodes" not in across.stdout
     want = [r["loss"] for r in read_metrics(tmp_path / "one" / "metrics.jsonl")]
     got = [r["loss"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
+    assert len(got) == len(want) == 8
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= 1e-8
+    # data parallelism across the nodes, gradients summed hierarchically
+    hier = run_on(cluster, [*HPCTRAIN, "train", "--config", str(cfg), "--run-dir",
+                            str(tmp_path / "hier"), "--dp-reduce", "hierarchical"],
+                  ranks_per_node=2)
+    assert hier.returncode == 0, hier.stderr
+    flat = run_train(4, cfg, tmp_path / "flat")
+    assert flat.returncode == 0, flat.stderr
+    want = [r["loss"] for r in read_metrics(tmp_path / "flat" / "metrics.jsonl")]
+    got = [r["loss"] for r in read_metrics(tmp_path / "hier" / "metrics.jsonl")]
     assert len(got) == len(want) == 8
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= 1e-8
     # a tensor group across the two nodes trains, but says its all-reduces cross the network
