@@ -137,6 +137,13 @@ def test_the_mpiexec_command_places_ranks_node_by_node():
     assert cmd[cmd.index("-hosts") + 1] == "emu0:2,emu1:2,emu2:2"
     assert cmd[cmd.index("-n") + 1] == "5" and cmd[-2:] == ["python", "t.py"]
     assert "UCX_TLS" in cmd and cmd[cmd.index("UCX_NET_DEVICES") + 1] == "eth0"
+    cyclic = launch.mpiexec_command(spec, Path("ssh"), "mpiexec", ["x"], ranks_per_node=2,
+                                    placement="cyclic")
+    assert cyclic[cyclic.index("-hosts") + 1] == "emu0:1,emu1:1,emu2:1"
+    assert cyclic[cyclic.index("-n") + 1] == "6"
+    with pytest.raises(ConfigError, match=r"placement \('random'\) must be one of block, "):
+        launch.mpiexec_command(spec, Path("ssh"), "mpiexec", ["x"], ranks_per_node=2,
+                               placement="random")
     with pytest.raises(ConfigError, match=r"ranks \(7\) must be between 1 and ranks per node "
                                           r"\* nodes \(2 \* 3 = 6\)"):
         launch.mpiexec_command(spec, Path("ssh"), "mpiexec", ["x"], ranks_per_node=2, ranks=7)

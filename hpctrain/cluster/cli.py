@@ -154,12 +154,16 @@ def status_cmd(name: str) -> None:
               help="MPI ranks on each node; ranks fill the nodes in order (block).")
 @click.option("-n", "--ranks", type=int,
               help="Ranks in all [default: ranks per node * nodes].")
+@click.option("--placement", type=click.Choice(["block", "cyclic"]), default="block",
+              show_default=True,
+              help="block: fill each node before the next (ranks 0..r-1 on the first); "
+                   "cyclic: one rank per node in turn.")
 @click.option("--mpiexec", "mpiexec_path",
               help="MPICH's mpiexec (hydra) [default: beside this Python, else PATH's].")
 @click.option("--dry-run", is_flag=True, help="Print the mpiexec command, run nothing.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors
-def run_cmd(name, ranks_per_node, ranks, mpiexec_path, dry_run, command) -> None:
+def run_cmd(name, ranks_per_node, ranks, placement, mpiexec_path, dry_run, command) -> None:
     """Run COMMAND as one MPI job across the nodes (mpiexec through each node's launcher).
 
     \b
@@ -176,7 +180,7 @@ def run_cmd(name, ranks_per_node, ranks, mpiexec_path, dry_run, command) -> None
     if ranks_per_node < 1:
         raise ConfigError(f"ranks per node ({ranks_per_node}) must be at least 1")
     argv = cl.mpiexec_command(list(command), ranks_per_node=ranks_per_node, ranks=ranks,
-                              mpiexec=mpiexec_path or default_mpiexec())
+                              mpiexec=mpiexec_path or default_mpiexec(), placement=placement)
     if dry_run:
         click.echo(shlex.join(argv))
         return

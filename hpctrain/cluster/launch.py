@@ -60,12 +60,21 @@ exec nsenter --net=/run/netns/$ns -- unshare --uts -- \\
 """
 
 
+PLACEMENTS = ("block", "cyclic")
+
+
 def mpiexec_command(spec: ClusterSpec, launcher: Path, mpiexec: str, argv: list[str], *,
                     ranks_per_node: int, ranks: int | None = None,
-                    nodes: list[str] | None = None) -> list[str]:
-    """``mpiexec`` over the cluster: ``ranks_per_node`` ranks on each node, filled node
-    by node in order (ranks 0..r-1 on the first), ``ranks`` in all (default: all
-    slots of ``nodes``, default every node)."""
+                    nodes: list[str] | None = None, placement: str = "block") -> list[str]:
+    """``mpiexec`` over the cluster: ``ranks_per_node`` ranks on each node, ``ranks`` in
+    all (default: all slots of ``nodes``, default every node). ``placement`` "block"
+    fills the nodes one after the other (ranks 0..r-1 on the first, as SLURM does by
+    default); "cyclic" deals the ranks out one per node in turn (SLURM's
+    ``--distribution=cyclic``)."""
+    if placement not in PLACEMENTS:
+        from hpctrain.config import ConfigError
+
+        raise ConfigError(f"placement ({placement!r}) must be one of {', '.join(PLACEMENTS)}")
     hosts = nodes or [n.hostname for n in spec.nodes]
     for h in hosts:
         spec.node(h)  # an unknown host fails here, naming the nodes there are
@@ -77,8 +86,9 @@ def mpiexec_command(spec: ClusterSpec, launcher: Path, mpiexec: str, argv: list[
         raise ConfigError(f"ranks ({ranks}) must be between 1 and ranks per node * nodes "
                           f"({ranks_per_node} * {len(hosts)} = {slots})")
     env = [a for k, v in UCX_ENV.items() for a in ("-genv", k, v)]
+    slots_per_host = ranks_per_node if placement == "block" else 1  # hydra wraps around
     return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(launcher), "-iface",
-            spec.bridge, "-hosts", ",".join(f"{h}:{ranks_per_node}" for h in hosts),
+            spec.bridge, "-hosts", ",".join(f"{h}:{slots_per_host}" for h in hosts),
             "-n", str(ranks), *env, *argv]
 
 

@@ -61,9 +61,11 @@ class Cluster:
         return self.folder / "slurm" / "slurm.conf" if self.spec.slurm else None
 
     def mpiexec_command(self, argv: list[str], *, ranks_per_node: int,
-                        ranks: int | None = None, mpiexec: str = "mpiexec") -> list[str]:
+                        ranks: int | None = None, mpiexec: str = "mpiexec",
+                        placement: str = "block") -> list[str]:
         return launch.mpiexec_command(self.spec, self.launcher, mpiexec, argv,
-                                      ranks_per_node=ranks_per_node, ranks=ranks)
+                                      ranks_per_node=ranks_per_node, ranks=ranks,
+                                      placement=placement)
 
     def node_command(self, host: str, argv: list[str]) -> list[str]:
         self.spec.node(host)

@@ -62,9 +62,9 @@ def cluster():
 
 
 def run_on(cl, argv: list[str], *, ranks_per_node: int, ranks: int | None = None,
-           timeout: float = 300) -> subprocess.CompletedProcess:
+           placement: str = "block", timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = cl.mpiexec_command(argv, ranks_per_node=ranks_per_node, ranks=ranks,
-                             mpiexec=mpiexec())
+                             mpiexec=mpiexec(), placement=placement)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
                           cwd=ROOT)
 
@@ -91,6 +91,9 @@ def test_ranks_fill_the_nodes_in_order_and_mpi_sees_each_node(cluster):
     assert [r["node_size"] for r in records] == [2, 2, 2, 2]
     assert [r["node_rank"] for r in records] == [0, 1, 0, 1]
     assert all(r["sum_ok"] for r in records)
+    records = probe(cluster, 8, ranks_per_node=2, placement="cyclic")
+    assert [r["host"] for r in records] == ["hpctest0", "hpctest1", "hpctest0", "hpctest1"]
+    assert [r["node_size"] for r in records] == [2, 2, 2, 2]
 
 
 def test_traffic_between_nodes_crosses_the_link_and_inside_a_node_does_not(cluster):
