@@ -183,7 +183,7 @@ def _build(spec: ClusterSpec, folder: Path, cgroups: cpu.Cgroups, log) -> None:
     launcher.write_text(launch.launcher_script(spec, procs))
     launcher.chmod(0o755)
     log(f"cluster {spec.name!r}: {len(spec.nodes)} node(s) up in "
-        f"{time.perf_counter() - t0:.1f} s (cgroup v{cgroups.version})")
+        f"{time.perf_counter() - t0:.2f} s (cgroup v{cgroups.version})")
     if spec.slurm:
         slurmd.start(spec, folder / "slurm", launcher, log=log)
 
