@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,16 +16,12 @@ from hpctrain import bench
 
 def _find_mpiexec(given: str | None) -> str:
     """``--mpiexec``, else the one beside this Python (the MPICH wheel's), else PATH's."""
-    if given:
-        return given
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise click.UsageError("no mpiexec beside this Python or on PATH: install the "
-                               "'mpich' extra or pass --mpiexec")
-    return found
+    from hpctrain.runtime import UserError, find_mpiexec
+
+    try:
+        return given or find_mpiexec()
+    except UserError as err:
+        raise click.UsageError(str(err)) from None
 
 
 @click.command(name="bench")

@@ -165,3 +165,16 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_MMAP_MAX, 0)  # large blocks from the heap too, whatever their size
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     return bool(ok)
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` beside this Python (the venv's MPICH wheel), else the one on PATH."""
+    import os
+    import shutil
+
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    if found is None:
+        raise UserError("no mpiexec beside this Python or on PATH: run `make install` (it "
+                        "brings MPICH into .venv) or install the 'mpich' extra")
+    return found

@@ -37,15 +37,9 @@ def assert_close_all(comm: Any, actual, expected, *, rtol: float, atol: float = 
 
 def mpiexec() -> str:
     """The ``mpiexec`` beside this Python (the venv's MPICH), else the one on PATH."""
-    import os
-    import shutil
-    import sys
+    from hpctrain.runtime import find_mpiexec
 
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-    if found is None:
-        raise RuntimeError("no mpiexec found: run `make install` (it brings MPICH into .venv)")
-    return found
+    return find_mpiexec()
 
 
 def run_mpi(nprocs: int, args: list[str], *, timeout: float, env: dict | None = None,

@@ -174,13 +174,13 @@ def run_cmd(name, ranks_per_node, ranks, placement, mpiexec_path, dry_run, comma
     import shlex
 
     from hpctrain.cluster import lifecycle
-    from hpctrain.testing import mpiexec as default_mpiexec
+    from hpctrain.runtime import find_mpiexec
 
     cl = lifecycle.current(name)
     if ranks_per_node < 1:
         raise ConfigError(f"ranks per node ({ranks_per_node}) must be at least 1")
     argv = cl.mpiexec_command(list(command), ranks_per_node=ranks_per_node, ranks=ranks,
-                              mpiexec=mpiexec_path or default_mpiexec(), placement=placement)
+                              mpiexec=mpiexec_path or find_mpiexec(), placement=placement)
     if dry_run:
         click.echo(shlex.join(argv))
         return

@@ -24,8 +24,11 @@ from pathlib import Path
 
 from hpctrain.cluster.spec import NODE_IFACE, ClusterSpec
 
-# UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link
-UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE}
+# UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link;
+# compact (v2) worker addresses: the default ones are long enough that MPICH cuts them
+# into several PMI values, which SLURM's PMI-2 plugin (22.05) misreads; every
+# `srun --mpi=pmi2` job across two nodes then failed in MPI_Init (0 of 18 started).
+UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE, "UCX_ADDRESS_VERSION": "v2"}
 
 
 def launcher_script(spec: ClusterSpec, procs: dict[str, list[Path]]) -> str:

@@ -108,7 +108,7 @@ def current(name: str = spec_mod.DEFAULT_NAME) -> Cluster:
     if state is None or state.get("status") != "up":
         raise ClusterError(f"no cluster {name!r} is up: start one with "
                            f"`hpctrain cluster up` (as root)")
-    return Cluster(spec_mod.from_dict(state["spec"]), state_dir(name), state.get("owner"),
+    return Cluster(spec_mod.build(state["spec"]), state_dir(name), state.get("owner"),
                    state.get("since", 0.0))
 
 

@@ -246,8 +246,3 @@ def load(path: str | Path) -> ClusterSpec:
         return build(raw["cluster"])
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
-
-
-def from_dict(raw: dict[str, Any]) -> ClusterSpec:
-    """The spec saved in a cluster's state (``ClusterSpec.to_dict``)."""
-    return build(raw)
