@@ -3,15 +3,20 @@
 MPICH's ``mpiexec`` (hydra) starts one proxy per host through a launcher called like
 ssh: ``LAUNCHER [options] HOST COMMAND...``. ``launcher_script`` writes that launcher
 for a cluster: it maps the host to its node, puts itself into the node's cgroups,
-enters the node's network namespace and a fresh UTS namespace with the node's host
-name, and runs the command there; the proxy's ranks inherit all of it::
+enters the node's network namespace, a fresh UTS namespace with the node's host name
+and a fresh mount namespace with its own ``/dev/shm``, and runs the command there;
+the proxy's ranks inherit all of it::
 
     mpiexec -launcher ssh -launcher-exec STATE/ssh -iface {name}br -hosts h0:2,h1:2 -n 4 CMD
        |-- STATE/ssh h0 proxy...  -> cgroup h0, netns {name}-h0, hostname h0 -> ranks 0, 1
        '-- STATE/ssh h1 proxy...  -> cgroup h1, netns {name}-h1, hostname h1 -> ranks 2, 3
 
 The proxies reach mpiexec through the switch (``-iface``). Ranks on one node share a
-host name, so MPICH joins them through shared memory; between nodes, MPICH's UCX
+host name and a ``/dev/shm``, so MPICH joins them through shared memory. The private
+``/dev/shm`` goes with the node's last process: MPICH names its segments after the job
+and step, with a weak hash, and a segment a killed job left in a shared ``/dev/shm``
+was joined by a later job of another id, which then failed in ``MPI_Init``. Between
+nodes, MPICH's UCX
 network module must use TCP over the node's ``eth0`` (``UCX_ENV``): left to itself,
 UCX finds the other "node" is this machine and moves the data through shared memory,
 past the shaped link.
@@ -26,8 +31,9 @@ from hpctrain.cluster.spec import NODE_IFACE, ClusterSpec
 
 # UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link;
 # compact (v2) worker addresses: the default ones are long enough that MPICH cuts them
-# into several PMI values, which SLURM's PMI-2 plugin (22.05) misreads; every
-# `srun --mpi=pmi2` job across two nodes then failed in MPI_Init (0 of 18 started).
+# into several PMI values, which SLURM's PMI-2 plugin (22.05) misreads: `srun
+# --mpi=pmi2` across two nodes then often failed in MPI_Init (18 of 48 started; 80 of
+# 80 with v2)
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE, "UCX_ADDRESS_VERSION": "v2"}
 
 
@@ -58,8 +64,9 @@ shift
 for f in $procs; do
   echo $$ > "$f" || {{ echo "$0: cannot join $f" >&2; exit 255; }}
 done
-exec nsenter --net=/run/netns/$ns -- unshare --uts -- \\
-  /bin/sh -c 'hostname "$1" && shift && exec /bin/sh -c "$*"' sh "$host" "$@"
+exec nsenter --net=/run/netns/$ns -- unshare --uts --mount --propagation private -- \\
+  /bin/sh -c 'mount -t tmpfs -o mode=1777 shm-"$1" /dev/shm && hostname "$1" && shift &&
+              exec /bin/sh -c "$*"' sh "$host" "$@"
 """
 
 

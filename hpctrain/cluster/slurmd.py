@@ -16,7 +16,8 @@ What it takes (Debian's SLURM 22.05, no systemd):
 * per-node spool, pid and log files (``%n``);
 * the jobs' MPI must use TCP on ``eth0`` (``launch.UCX_ENV``): a ``TaskProlog``
   exports it to every task, the batch script included, so job scripts stay as they
-  are on a real cluster;
+  are on a real cluster; an ``Epilog`` removes the MPICH segments of killed steps
+  from the node's ``/dev/shm``, as sites do;
 * the rest as in ``tests/slurm`` before: job ids from the clock (``FirstJobId``),
   ``config_overrides`` (nodes may declare more CPUs than their cores), short
   ``cred_expire`` and scheduler intervals so a requeued job restarts in seconds.
@@ -79,6 +80,7 @@ SlurmdPidFile={folder}/slurmd-%n.pid
 SlurmctldLogFile={folder}/slurmctld.log
 SlurmdLogFile={folder}/slurmd-%n.log
 TaskProlog={folder}/task-prolog
+Epilog={folder}/epilog
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=pmi2
@@ -107,6 +109,22 @@ def task_prolog() -> str:
             + exports)
 
 
+def epilog() -> str:
+    """After every job, on each of its nodes (in the node's own ``/dev/shm``): remove
+    the MPICH segments no process maps. A job step killed before MPI_Finalize leaves
+    its segment, named after the job and step, and a requeued job (same id) joins it
+    and fails in MPI_Init. A segment some process maps, here or on another node under
+    the same name, is left alone."""
+    return """#!/bin/sh
+# every job's end on every node: drop MPICH shared-memory segments that no process maps
+for f in /dev/shm/mpich_shm_*; do
+  [ -e "$f" ] || continue
+  grep -qs "$f" /proc/[0-9]*/maps || rm -f "$f"
+done
+exit 0
+"""
+
+
 def start(spec: ClusterSpec, folder: Path, launcher: Path, *, log=print,
           timeout: float = 60) -> None:
     """Write the configuration, start munged, slurmctld and every slurmd; wait until
@@ -121,9 +139,9 @@ def start(spec: ClusterSpec, folder: Path, launcher: Path, *, log=print,
     first_job_id = (int(time.time()) % 100000) * 100 + 1
     conf = folder / "slurm.conf"
     conf.write_text(conf_text(spec, folder, first_job_id))
-    prolog = folder / "task-prolog"
-    prolog.write_text(task_prolog())
-    prolog.chmod(0o755)
+    for script, text in (("task-prolog", task_prolog()), ("epilog", epilog())):
+        (folder / script).write_text(text)
+        (folder / script).chmod(0o755)
     if not MUNGE_KEY.exists() or MUNGE_KEY.stat().st_size == 0:
         MUNGE_KEY.parent.mkdir(parents=True, exist_ok=True)
         MUNGE_KEY.write_bytes(os.urandom(1024))

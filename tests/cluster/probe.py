@@ -1,10 +1,12 @@
 """Run under mpiexec on an emulated cluster: where each rank runs, which ranks MPI puts
-on one node, and whether an all-reduce of ``NBYTES`` (argv[1]) gives the right sum.
+on one node, which ``/dev/shm`` it sees (its device), and whether an all-reduce of
+``NBYTES`` (argv[1]) gives the right sum.
 
 Rank 0 prints one JSON list, a record per rank, on its last line of output.
 """
 
 import json
+import os
 import socket
 import sys
 import time
@@ -21,7 +23,8 @@ t0 = time.perf_counter()
 comm.Allreduce(MPI.IN_PLACE, x)
 seconds = time.perf_counter() - t0
 record = {"rank": rank, "host": socket.gethostname(), "node_size": node.Get_size(),
-          "node_rank": node.Get_rank(), "sum_ok": bool(np.all(x == size * (size - 1) / 2)),
+          "node_rank": node.Get_rank(), "shm": os.stat("/dev/shm").st_dev,
+          "sum_ok": bool(np.all(x == size * (size - 1) / 2)),
           "seconds": seconds}
 records = comm.gather(record)
 if rank == 0:

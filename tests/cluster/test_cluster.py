@@ -91,6 +91,9 @@ def test_ranks_fill_the_nodes_in_order_and_mpi_sees_each_node(cluster):
     assert [r["node_size"] for r in records] == [2, 2, 2, 2]
     assert [r["node_rank"] for r in records] == [0, 1, 0, 1]
     assert all(r["sum_ok"] for r in records)
+    # each node has its own /dev/shm, which its ranks share, apart from this machine's
+    shm = [r["shm"] for r in records]
+    assert shm[0] == shm[1] != shm[2] == shm[3] and os.stat("/dev/shm").st_dev not in shm
     records = probe(cluster, 8, ranks_per_node=2, placement="cyclic")
     assert [r["host"] for r in records] == ["hpctest0", "hpctest1", "hpctest0", "hpctest1"]
     assert [r["node_size"] for r in records] == [2, 2, 2, 2]

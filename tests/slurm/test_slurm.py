@@ -201,6 +201,32 @@ def test_one_job_across_two_nodes_with_srun_and_with_mpiexec(cluster, emulated, 
     assert all(s > 2 * 6 * 21_000 * 8 for s in sent), sent
 
 
+def test_the_epilog_removes_segments_no_process_maps(cluster, emulated, tmp_path):
+    """A killed step's MPICH segment in a node's /dev/shm goes at the end of the next
+    job on that node (the node's /dev/shm is seen through its slurmd's root)."""
+    from hpctrain.cluster import slurmd
+
+    shm = {}
+    for pid in slurmd.pids(emulated.folder / "slurm"):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"slurmd" in cmdline[0]:
+            node = cmdline[cmdline.index(b"-N") + 1].decode()
+            shm[node] = Path(f"/proc/{pid}/root/dev/shm")
+    assert sorted(shm) == ["hpctslm0", "hpctslm1"], shm
+    stale = shm["hpctslm1"] / "mpich_shm_stale_0"
+    stale.write_bytes(b"left by a killed step")
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nhostname\n")
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--nodelist=hpctslm1",
+                          f"--chdir={tmp_path}", str(script)], env=cluster, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    assert wait_for(cluster, job)["JobState"] == "COMPLETED"
+    deadline = time.monotonic() + 30  # the epilog runs as the job ends
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not stale.exists()
+
+
 def test_render_refuses_layouts_that_do_not_fit(tmp_path):
     cases = [(["--ranks-per-node", "2", "--nodes", "2", "--tp", "4"],
               "tp (4) must divide ranks per node (2)"),
