@@ -201,9 +201,11 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
 
 
 def _ranks_on_node(comm: Any) -> int:
-    from mpi4py import MPI
+    """How many ranks of ``comm`` share this rank's node (collective), as ``train``
+    counts them (``Topology.nodes.ranks_on_node``)."""
+    from hpctrain.parallel.topology import split_node
 
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node = split_node(comm)
     n = node.Get_size()
     node.Free()
     return n

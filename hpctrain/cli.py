@@ -71,9 +71,10 @@ def main() -> None:
               help="Gradient bucket size in MiB: each bucket is reduced as soon as backward "
                    "has finished it.")
 @click.option("--dp-reduce", type=click.Choice(["flat", "hierarchical"]),
-              help="Gradient sum over the data group: one all-reduce (flat), or reduce in "
-                   "each node, all-reduce among node leaders, broadcast (hierarchical; "
-                   "ZeRO 0).")
+              help="Gradient sum over the data group: one all-reduce per bucket (flat), or "
+                   "reduce in each node, all-reduce among node leaders, broadcast in the "
+                   "node (hierarchical; with ZeRO a reduce-scatter and a scatter). Default: "
+                   "the config's, flat.")
 @click.option("--steps", type=int, help="Optimizer steps to run.")
 @click.option("--seed", type=int, help="Seed for initialisation and data order.")
 @click.option("--run-dir", type=click.Path(file_okay=False),

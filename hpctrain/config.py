@@ -69,8 +69,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     zero: int = 0  # 0: plain data parallel, 1: shard optimizer state, 2: and gradients
     bucket_mb: float = 4.0  # gradient all-reduce bucket size, MiB
-    # "flat": one all-reduce over the data group; "hierarchical": reduce in each node,
-    # all-reduce among one leader per node, broadcast in the node (ZeRO 0)
+    # "flat": one all-reduce (ZeRO: reduce-scatter) over the data group; "hierarchical":
+    # reduce in each node, all-reduce (reduce-scatter) among one leader per node,
+    # broadcast (scatter) in the node
     dp_reduce: str = "flat"
 
     @property
@@ -181,9 +182,6 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
     _require(par.zero in (0, 1, 2), f"zero ({par.zero}) must be 0, 1 or 2")
     _require(par.bucket_mb > 0, f"bucket_mb ({par.bucket_mb}) must be positive")
     _require_choice("dp_reduce", par.dp_reduce, DP_REDUCE)
-    _require(par.dp_reduce == "flat" or par.zero == 0,
-             f"dp_reduce ({par.dp_reduce!r}) needs zero 0 (zero is {par.zero}): ZeRO "
-             f"reduce-scatters its buckets")
 
 
 def _check_model(m: ModelConfig, par: ParallelConfig) -> None:

@@ -63,22 +63,26 @@ def make_optimizer(cfg: Config, named_params, decay=None):
 
 def make_data_parallel(cfg: Config, engine, topo: Topology):
     """Gradient synchronisation and optimizer for ``cfg.parallel.zero``: stage 0 is
-    ``DataParallel`` (flat or hierarchical, ``cfg.parallel.dp_reduce``), stages 1 and 2
-    ``ZeroDataParallel`` (collective over the model group at construction for ZeRO,
-    over each node's part of the data group for the hierarchical reduction)."""
+    ``DataParallel``, stages 1 and 2 ``ZeroDataParallel`` (collective over the model
+    group at construction); each sums flat or hierarchically (``cfg.parallel.dp_reduce``:
+    over the topology's node groups, ``hierarchy.py``)."""
     par = cfg.parallel
+    hierarchical = par.dp_reduce == "hierarchical"
     if par.zero == 0:
         launch = None
-        if par.dp_reduce == "hierarchical":
+        if hierarchical:
             from hpctrain.parallel.hierarchy import hierarchical_launcher
 
             launch = hierarchical_launcher(topo)
         return DataParallel(engine, make_optimizer(cfg, engine.named_params), topo.dp_comm,
                             bucket_mb=par.bucket_mb, launch=launch)
+    from hpctrain.parallel.hierarchy import hierarchical_reduce_scatter
     from hpctrain.parallel.zero import ZeroDataParallel
 
     return ZeroDataParallel(engine, topo, stage=par.zero, bucket_mb=par.bucket_mb,
-                            make_optimizer=functools.partial(make_optimizer, cfg))
+                            make_optimizer=functools.partial(make_optimizer, cfg),
+                            reduce_scatter=hierarchical_reduce_scatter(topo) if hierarchical
+                            else None)
 
 
 def train_step(engine, dp, x, y, *, lr: float, grad_clip: float) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """``hpctrain train --tp 2`` under ``mpiexec -n 2`` gives the loss curve of ``--tp 1``,
-with and without ``--sequence-parallel``, on a tiny byte-level corpus prepared with
-``hpctrain-prep text``."""
+with and without ``--sequence-parallel``, and so does ``--dp-reduce hierarchical`` with
+ZeRO 1 (the two ranks on one node: reduce and scatter in the node), on a tiny
+byte-level corpus prepared with ``hpctrain-prep text``."""
 
 import json
 import textwrap
@@ -38,23 +39,43 @@ def config_file(tmp_path_factory):
                               "to be, or not to be, that is the question.", 400)
 
 
+def run_dir_of(config_file, ranks, *flags):
+    return config_file.parent / "_".join(["run", str(ranks), *flags]).replace("-", "")
+
+
 def run(config_file, ranks, *flags):
-    run_dir = config_file.parent / "_".join(["run", str(ranks), *flags]).replace("-", "")
+    run_dir = run_dir_of(config_file, ranks, *flags)
     result = run_train(ranks, config_file, run_dir, "--quiet", *flags)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     return records
 
 
+@pytest.fixture(scope="module")
+def serial(config_file):
+    return run(config_file, 1, "--tp", "1")
+
+
+def assert_same_curves(parallel, serial, flags):
+    for key in ("loss", "val_loss"):
+        want = [r[key] for r in serial if key in r]
+        got = [r[key] for r in parallel if key in r]
+        assert len(got) == len(want) > 0
+        np.testing.assert_allclose(got, want, rtol=1e-8, err_msg=f"{key} {flags}")
+
+
 @pytest.mark.slow
-def test_train_tp_2_matches_tp_1(config_file):
-    serial = run(config_file, 1, "--tp", "1")
+def test_train_tp_2_matches_tp_1(config_file, serial):
     for flags in (["--tp", "2"], ["--tp", "2", "--sequence-parallel"]):
         parallel = run(config_file, 2, *flags)
-        for key in ("loss", "val_loss"):
-            want = [r[key] for r in serial if key in r]
-            got = [r[key] for r in parallel if key in r]
-            assert len(got) == len(want) > 0
-            np.testing.assert_allclose(got, want, rtol=1e-8, err_msg=f"{key} {flags}")
+        assert_same_curves(parallel, serial, flags)
         assert all(r["tp_comm_bytes"] > 0 for r in parallel if "loss" in r)
         assert ("sp_activation_bytes_saved" in parallel[-1]) == ("--sequence-parallel" in flags)
+
+
+@pytest.mark.slow
+def test_train_dp_2_hierarchical_matches_serial(config_file, serial):
+    flags = ["--dp", "2", "--zero", "1", "--dp-reduce", "hierarchical"]
+    assert_same_curves(run(config_file, 2, *flags), serial, flags)
+    saved = json.loads((run_dir_of(config_file, 2, *flags) / "config.json").read_text())
+    assert saved["parallel"]["dp_reduce"] == "hierarchical"

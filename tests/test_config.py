@@ -87,9 +87,8 @@ def cfg_with(world=1, **kw):
      r"tp \(2\) to divide seq_len \(7\)"),
     (cfg_with(1, train__save_interval=-1), r"save_interval \(-1\) must not be negative"),
     (cfg_with(1, train__keep_checkpoints=0), r"keep_checkpoints \(0\) must be at least 1"),
-    (cfg_with(2, parallel__dp_reduce="tree"), r"dp_reduce \('tree'\) must be one of flat, "),
-    (cfg_with(2, parallel__dp_reduce="hierarchical", parallel__zero=2),
-     r"dp_reduce \('hierarchical'\) needs zero 0 \(zero is 2\)"),
+    (cfg_with(2, parallel__dp_reduce="tree"),
+     r"dp_reduce \('tree'\) must be one of flat, hierarchical$"),
 ])
 def test_each_rule_names_its_values(args, message):
     cfg, world = args
@@ -100,3 +99,35 @@ def test_each_rule_names_its_values(args, message):
 def test_to_dict_round_trips():
     cfg = C.Config(model=C.ModelConfig(hidden=(8, 4)))
     assert C.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("world", [1, 8])
+def test_hierarchical_reduction_is_valid_at_every_zero_stage(zero, world):
+    assert C.ParallelConfig().dp_reduce == "flat"
+    cfg = C.Config(parallel=C.ParallelConfig(dp_reduce="hierarchical", zero=zero))
+    assert cfg.validate(world).parallel.dp_reduce == "hierarchical"
+
+
+def test_dp_reduce_from_the_file_and_from_the_command_line(tmp_path):
+    path = write(tmp_path, '[parallel]\ndp_reduce = "hierarchical"\n')
+    assert C.load(path).parallel.dp_reduce == "hierarchical"
+    assert C.load(path, {"parallel.dp_reduce": "flat"}).parallel.dp_reduce == "flat"
+    with pytest.raises(C.ConfigError, match=r"\[parallel\] dp_reduce \(2\) must be a string"):
+        C.load(write(tmp_path, "[parallel]\ndp_reduce = 2\n"))
+
+
+def test_the_dp_reduce_option_of_hpctrain_train(tmp_path):
+    from click.testing import CliRunner
+
+    from hpctrain.cli import OVERRIDES, main
+
+    assert OVERRIDES["dp_reduce"] == "parallel.dp_reduce"
+    result = CliRunner().invoke(main, ["train", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "--dp-reduce [flat|hierarchical]" in text and "all-reduce among node leaders" in text
+    path = write(tmp_path, "")
+    result = CliRunner().invoke(main, ["train", "--config", str(path), "--dp-reduce", "tree"])
+    assert result.exit_code == 2
+    assert "'tree' is not one of 'flat', 'hierarchical'" in result.output

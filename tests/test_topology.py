@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpctrain.parallel.topology import GridShape
+from hpctrain.parallel.topology import GridShape, group_by_node
 
 
 def factorisations(n):
@@ -75,3 +75,27 @@ def test_out_of_range_rank_is_refused(bad):
 def test_unknown_axis_is_refused():
     with pytest.raises(ValueError, match="axis"):
         GridShape(1, 1, 1).group_ranks(0, "xx")
+
+
+@pytest.mark.parametrize("node_ids, want", [
+    ([0, 0, 2, 2, 4, 4, 6, 6], ((0, 1), (2, 3), (4, 5), (6, 7))),  # blocks of 2
+    ([0, 1, 0, 1, 0, 1], ((0, 2, 4), (1, 3, 5))),  # cyclic over 2 nodes
+    ([5, 5, 5, 3], ((0, 1, 2), (3,))),  # uneven; ids need not be in order
+    ([0, 1, 2], ((0,), (1,), (2,))),  # one per node
+    ([7, 7, 7, 7], ((0, 1, 2, 3),)),  # one node
+    ([0], ((0,),)),
+])
+def test_a_group_by_node_in_the_leaders_order(node_ids, want):
+    assert group_by_node(node_ids) == want
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_group_by_node_partitions_the_group(seed):
+    import numpy as np
+
+    ids = np.random.default_rng(seed).integers(0, 4, 12).tolist()
+    nodes = group_by_node(ids)
+    assert sorted(d for node in nodes for d in node) == list(range(12))
+    assert [node[0] for node in nodes] == sorted(node[0] for node in nodes)
+    for node in nodes:
+        assert list(node) == sorted(node) and len({ids[d] for d in node}) == 1

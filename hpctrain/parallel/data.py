@@ -34,6 +34,10 @@ samples, so the global mean loss is ``(1 / dp) sum_r loss_r``. The training loop
 asks the engine for the gradient of ``loss_r / dp`` (``scale``) and the buckets are
 *summed*: no extra pass over the gradients.
 
+How a bucket is summed is the ``launch`` function's business: one ``Iallreduce``
+over ``dp_comm`` (``allreduce_launcher``), or three phases through one leader per
+node (``hierarchy.HierarchicalReduce``, ``parallel.dp_reduce = "hierarchical"``).
+
 ``DataParallel`` is ZeRO stage 0: whole gradients and optimizer state on every rank,
 the serial optimizer after the sum. ``zero.py`` builds stages 1 and 2 on the same
 buckets, reduce-scattered instead of all-reduced.
@@ -125,7 +129,7 @@ class GradBuckets:
 
     ``launch(bucket, view) -> request | None`` starts the bucket's collective over the
     data group (None: nothing to wait for, e.g. one rank); a request is an MPI request
-    or an object with ``Test()`` and ``Wait()`` (``hierarchy.HierarchicalReduce``).
+    or an object with ``Test()`` and ``Wait()`` (``hierarchy.Pending``).
     ``poll_interval`` is the helper thread's period in seconds (0: no thread, the hooks
     launch and test).
     Per step: ``zero`` (fresh zero gradients), backward with ``mark_ready`` calls,
@@ -318,7 +322,7 @@ class GradBuckets:
 
 def _test_all(requests: list) -> bool:
     """Whether every request is complete: MPI requests, or objects with ``Test()`` and
-    ``Wait()`` (``hierarchy``'s buckets of several phases). Testing moves them."""
+    ``Wait()`` (``hierarchy.Pending``: a bucket of several phases). Testing moves them."""
     from mpi4py import MPI
 
     if all(isinstance(r, MPI.Request) for r in requests):

@@ -28,16 +28,21 @@ four node groups and one group of node leaders::
 
     node          |  n0   |  n1   |  n2   |  n3   |
     ranks         | 0   1 | 2   3 | 4   5 | 6   7 |
-    dp_node_comm  | [0,1] | [2,3] | [4,5] | [6,7] |   reduce, then broadcast, inside a node
-    dp_leader_comm| 0     | 2     | 4     | 6     |   all-reduce among the nodes
+    dp_node_comm  | [0,1] | [2,3] | [4,5] | [6,7] |   1: reduce to the node's leader
+    dp_leader_comm| 0     | 2     | 4     | 6     |   2: all-reduce among the nodes
+    dp_node_bcast_comm: a duplicate of dp_node_comm     3: broadcast in the node
+    dp_nodes      ((0, 1), (2, 3), (4, 5), (6, 7))      dp ranks by node, leaders' order
 
 With dp = 4, tp = 2 on the same nodes the data groups are [0,2,4,6] and [1,3,5,7]:
 one member per node, so every dp_node_comm has one rank and the leaders are the whole
-group. ``NodeLayout`` tells whether a tensor group spans nodes.
+group (``dp_nodes`` is ((0,), (1,), (2,), (3,))). Ranks dealt out cyclically onto 2
+nodes (even ranks on one, odd on the other), dp = 8: ``dp_nodes`` is
+((0, 2, 4, 6), (1, 3, 5, 7)), the leaders are ranks 0 and 1. ``NodeLayout`` tells
+whether a tensor group spans nodes.
 
-The arithmetic (``coords``, ``rank_of``, ``group_ranks``) is pure and tested without
-MPI. ``Topology.build`` is the one place where communicators are created; everything
-else receives the communicator it uses as an argument.
+The arithmetic (``coords``, ``rank_of``, ``group_ranks``, ``group_by_node``) is pure
+and tested without MPI. ``Topology.build`` is the one place where communicators are
+created; everything else receives the communicator it uses as an argument.
 """
 
 from __future__ import annotations
@@ -115,6 +120,17 @@ class NodeLayout:
     tp_spans_nodes: bool  # True if this rank's tensor group crosses a node boundary
 
 
+def group_by_node(node_ids: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The members of a group (``node_ids[i]``: the node of member i) by node: each
+    node's members in increasing order, the nodes by their first member. This is the
+    order of the node leaders in ``dp_leader_comm``. ``[0, 0, 2, 2]`` -> ((0, 1), (2, 3));
+    cyclic ``[0, 1, 0, 1]`` -> ((0, 2), (1, 3))."""
+    members: dict[int, list[int]] = {}
+    for i, node in enumerate(node_ids):
+        members.setdefault(node, []).append(i)
+    return tuple(sorted((tuple(m) for m in members.values()), key=lambda m: m[0]))
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and the communicators of its groups.
@@ -124,9 +140,10 @@ class Topology:
     ``model_comm`` all shards of one model replica (tp * pp ranks). ``node_comm``:
     the world ranks on this rank's node; ``dp_node_comm``: the members of ``dp_comm``
     on this node, by dp rank, and ``dp_node_bcast_comm`` a duplicate of it (the
-    hierarchical reduction's broadcasts, ordered apart from its reduces);
-    ``dp_leader_comm``: the first of them on every node, by dp rank
-    (``MPI.COMM_NULL`` on the other ranks).
+    hierarchical reduction's last phase, a broadcast or a scatter, ordered apart from
+    its reduces); ``dp_leader_comm``: the first of them on every node, by dp rank
+    (``MPI.COMM_NULL`` on the other ranks). ``dp_nodes``: the dp ranks of this data
+    group by node, in ``dp_leader_comm``'s order (``group_by_node``).
     """
 
     shape: GridShape
@@ -141,6 +158,7 @@ class Topology:
     dp_node_bcast_comm: Any
     dp_leader_comm: Any
     nodes: NodeLayout
+    dp_nodes: tuple[tuple[int, ...], ...]
 
     @classmethod
     def build(cls, comm: Any, parallel: Any, node_key: int | None = None) -> Topology:
@@ -150,6 +168,8 @@ class Topology:
         emulate nodes with it); default: the ranks MPI puts in one shared-memory domain.
         Collective over ``comm``: every rank makes the same splits in the same order.
         """
+        from mpi4py import MPI
+
         shape = GridShape(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp)
         if shape.world_size != comm.Get_size():
             raise ValueError(f"dp * tp * pp ({parallel.dp} * {parallel.tp} * {parallel.pp} = "
@@ -166,11 +186,10 @@ class Topology:
         # node_id is the node's lowest world rank: the same on all its ranks
         dp_node_comm = dp_comm.Split(color=node_id, key=c.dp)
         leader = dp_node_comm.Get_rank() == 0
-        from mpi4py import MPI
-
         dp_leader_comm = dp_comm.Split(color=0 if leader else MPI.UNDEFINED, key=c.dp)
+        dp_nodes = group_by_node(dp_comm.allgather(node_id))
         return cls(shape, rank, comm, tp_comm, dp_comm, pp_comm, model_comm, node_comm,
-                   dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes)
+                   dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes, dp_nodes)
 
     @property
     def coords(self) -> Coords:
@@ -229,18 +248,24 @@ class Topology:
                 comm.Free()
 
 
-def _split_nodes(comm: Any, tp_comm: Any, node_key: int | None) -> tuple[Any, NodeLayout, int]:
-    """This rank's node communicator, its NodeLayout and its node's id (lowest world
-    rank on the node). Collective over ``comm`` (one split, one bcast in the node, one
-    allgather over comm and one over ``tp_comm``)."""
+def split_node(comm: Any, node_key: int | None = None) -> Any:
+    """The ranks of ``comm`` on this rank's node, by rank: MPI's shared-memory domain,
+    or the ranks with this rank's ``node_key``. Collective over ``comm``; the caller
+    frees the result (``Topology.build`` keeps it as ``node_comm``)."""
     from mpi4py import MPI
 
     rank = comm.Get_rank()
     if node_key is None:
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    else:
-        node_comm = comm.Split(color=node_key, key=rank)
-    node_id = node_comm.bcast(rank, root=0)
+        return comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    return comm.Split(color=node_key, key=rank)
+
+
+def _split_nodes(comm: Any, tp_comm: Any, node_key: int | None) -> tuple[Any, NodeLayout, int]:
+    """This rank's node communicator, its NodeLayout and its node's id (lowest world
+    rank on the node). Collective over ``comm`` (one split, one bcast in the node, one
+    allgather over comm and one over ``tp_comm``)."""
+    node_comm = split_node(comm, node_key)
+    node_id = node_comm.bcast(comm.Get_rank(), root=0)
     ids = sorted(set(comm.allgather(node_id)))
     tp_nodes = set(tp_comm.allgather(node_id))
     layout = NodeLayout(ids.index(node_id), len(ids), node_comm.Get_size(), len(tp_nodes) > 1)

@@ -13,7 +13,9 @@ Per step, collective over ``dp_comm``:
    launched from the engine's hook like the all-reduce of stage 0): rank r receives
    the sum of shard r. Stage 1 reduces in place (MPI puts the shard at the bucket's
    start); stage 2 into a persistent ``1/dp`` gradient shard and then drops the
-   whole-gradient buffers.
+   whole-gradient buffers. ``dp_reduce = "hierarchical"``: in three phases, reduce in
+   the node, reduce-scatter among the node leaders, scatter in the node
+   (``hierarchy.HierarchicalReduceScatter``), with the same result.
 2. the global norm over the owned shards (collective over all ranks: each element
    of the model is owned once in its data group, and replicated copies are counted
    once in the model group, see ``counted_once``); clipping of the shards.
@@ -101,17 +103,21 @@ class ZeroDataParallel:
     """ZeRO stage 1 or 2 over ``topo.dp_comm`` for ``engine``'s parameters.
 
     Same per-step interface as ``data.DataParallel``; ``make_optimizer(named, decay=)``
-    builds the serial optimizer over this rank's pieces.
+    builds the serial optimizer over this rank's pieces. ``reduce_scatter(view, out)``:
+    how a bucket is reduce-scattered (default: one ``Ireduce_scatter_block`` over
+    ``dp_comm``; ``hierarchy.hierarchical_reduce_scatter`` for nodes), with its shard
+    into ``out``, or with ``out`` None at the start of ``view``.
     """
 
     def __init__(self, engine: Any, topo: Any, *, stage: int, bucket_mb: float,
-                 make_optimizer):
+                 make_optimizer, reduce_scatter=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage ({stage}) must be 1 or 2")
         self.stage, self.engine = stage, engine
         self.dp_comm, self.world_comm = topo.dp_comm, topo.world_comm
         self.dp_size, self.dp_rank = self.dp_comm.Get_size(), self.dp_comm.Get_rank()
-        self.grads = GradBuckets(engine.params, self._reduce_scatter, bucket_mb=bucket_mb,
+        self.reduce_scatter = reduce_scatter
+        self.grads = GradBuckets(engine.params, self._launch, bucket_mb=bucket_mb,
                                  align=self.dp_size,
                                  poll_interval=POLL_INTERVAL if self.dp_size > 1 else 0.0)
         engine.on_grads_ready = self.grads.mark_ready
@@ -170,12 +176,14 @@ class ZeroDataParallel:
             return self.grad_shard[b.dtype][self.shard_start[b.index]:][:n]
         return self.grads.flat[b.dtype][b.start:b.start + n]  # in place: at the start
 
-    def _reduce_scatter(self, b, view: np.ndarray):
+    def _launch(self, b, view: np.ndarray):
         """``launch`` for GradBuckets: the sum of this rank's shard of bucket ``b``."""
         if self.dp_size == 1:
             if self.stage == 2:
                 self._owned_grads(b)[...] = view
             return None
+        if self.reduce_scatter is not None:
+            return self.reduce_scatter(view, None if self.stage == 1 else self._owned_grads(b))
         from mpi4py import MPI
 
         if self.stage == 1:
