@@ -216,6 +216,7 @@ def test_slurm_conf_names_every_node_at_its_address(tmp_path):
     assert f"TaskProlog={tmp_path}/task-prolog" in conf and "FirstJobId=12301" in conf
     assert "(10.213.0.1)" in conf and "SlurmdSpoolDir=" in conf and "-%n" in conf
     assert 'echo "export UCX_TLS=tcp,self"' in slurmd.task_prolog()
+    assert 'echo "export UCX_ADDRESS_VERSION=v2"' in slurmd.task_prolog()
 
 
 def test_cli_refuses_bad_input_before_anything_else():

@@ -29,12 +29,8 @@ from pathlib import Path
 
 from hpctrain.cluster.spec import NODE_IFACE, ClusterSpec
 
-# UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link;
-# compact (v2) worker addresses: the default ones are long enough that MPICH cuts them
-# into several PMI values, which SLURM's PMI-2 plugin (22.05) misreads: `srun
-# --mpi=pmi2` across two nodes then often failed in MPI_Init (18 of 48 started; 80 of
-# 80 with v2)
-UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE, "UCX_ADDRESS_VERSION": "v2"}
+# UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link
+UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE}
 
 
 def launcher_script(spec: ClusterSpec, procs: dict[str, list[Path]]) -> str:

@@ -14,7 +14,7 @@ What it takes (Debian's SLURM 22.05, no systemd):
 * ``SlurmctldHost`` is this machine's short host name with the switch address in
   parentheses; the node names resolve through ``/etc/hosts`` (``net.add_hosts``);
 * per-node spool, pid and log files (``%n``);
-* the jobs' MPI must use TCP on ``eth0`` (``launch.UCX_ENV``): a ``TaskProlog``
+* the jobs' MPI must use TCP on ``eth0`` (``SLURM_UCX_ENV``): a ``TaskProlog``
   exports it to every task, the batch script included, so job scripts stay as they
   are on a real cluster; an ``Epilog`` removes the MPICH segments of killed steps
   from the node's ``/dev/shm``, as sites do;
@@ -103,8 +103,16 @@ PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubs
 """
 
 
+# Compact (v2) UCX worker addresses for jobs under SLURM: the default ones are long
+# enough that MPICH cuts them into several PMI values, which SLURM's PMI-2 plugin
+# (22.05) misreads, and `srun --mpi=pmi2` across two nodes often failed in MPI_Init
+# (18 of 48 started; 80 of 80 with v2). Only here: v2 addresses made the hierarchical
+# gradient sync between two nodes 15-35% slower (hydra's PMI takes long values).
+SLURM_UCX_ENV = {**UCX_ENV, "UCX_ADDRESS_VERSION": "v2"}
+
+
 def task_prolog() -> str:
-    exports = "".join(f'echo "export {k}={v}"\n' for k, v in UCX_ENV.items())
+    exports = "".join(f'echo "export {k}={v}"\n' for k, v in SLURM_UCX_ENV.items())
     return ("#!/bin/sh\n# every task of the emulated cluster: MPI between nodes on the link\n"
             + exports)
 
