@@ -28,9 +28,9 @@ Each node link carries one all-reduce among ``nodes`` ranks, whatever the placem
 the ranks and whatever algorithm the MPI library picks for the flat one. Measured on
 4 emulated nodes of 2 ranks at 100 Mbit/s (``benchmarks/README.md``): with ranks placed
 node by node, MPICH's flat all-reduce already pairs the ranks of a node first and sends
-as few bytes over each link (about 1.55 times the buffer, both ways alike: 1.05x);
+as few bytes over each link (about 1.55 times the buffer, both ways alike: 1.01-1.10x);
 with ranks dealt out cyclically, the flat one sends twice as much and the
-hierarchical one is 2.1x faster.
+hierarchical one is 2.1-2.2x faster.
 
 Ordering (``PhaseQueue``, pure, tested without MPI). MPI requires the collectives on
 one communicator to be posted in the same order on every rank, but a bucket's phases
