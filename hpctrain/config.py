@@ -279,16 +279,21 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
     return Config(**parts)
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file's tables; a missing or malformed file is a ConfigError naming it."""
+    try:
+        with Path(path).open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{what} {str(path)!r} is not valid TOML: {err}") from None
+
+
 def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Read a TOML config file and apply ``overrides`` (``{"parallel.tp": 2, ...}``)."""
     path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            raw = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    raw = read_toml(path)
     for dotted, value in (overrides or {}).items():
         section, key = dotted.split(".")
         raw.setdefault(section, {})[key] = value

@@ -226,6 +226,10 @@ def test_cli_refuses_bad_input_before_anything_else():
                           (["--cpu-share", "1.5"], "cpu_share (1.5) must be in (0, 1]")]:
         result = runner.invoke(main, ["cluster", "up", *args])
         assert result.exit_code == 2 and message in result.output, result.output
+    result = runner.invoke(main, ["cluster", "up", "--config", "configs/cluster-unequal.toml",
+                                  "--nodes", "3", "--link", "10mbit"])
+    assert result.exit_code == 2, result.output
+    assert "--nodes, --link describe a cluster without a file" in result.output
 
 
 def test_without_root_the_cluster_commands_say_so():

@@ -84,6 +84,13 @@ def up_cmd(config_path, nodes, cores, cpu_share, link, subnet, cpu_limit, slurm,
     from hpctrain.cluster import spec as spec_mod
 
     if config_path is not None:
+        ctx = click.get_current_context()
+        given = [f"--{p.replace('_', '-')}" for p in ("nodes", "cores", "cpu_share", "link",
+                                                      "subnet", "cpu_limit")
+                 if ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise ConfigError(f"{', '.join(given)} describe a cluster without a file; with "
+                              f"--config ({config_path}) only --name and --slurm apply")
         spec = spec_mod.load(config_path)
         if name is not None or slurm is not None:
             raw = spec.to_dict()

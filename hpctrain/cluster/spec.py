@@ -33,12 +33,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import ConfigError
+from hpctrain.config import ConfigError, read_toml
 
 CPU_LIMITS = ("cpuset", "quota")
 PERIOD_US = 100_000  # the CFS period the CPU quota is a share of
@@ -232,13 +231,7 @@ def uniform(nodes: int, *, cores: int = 1, cpu_share: float = 1.0, link: str = "
 def load(path: str | Path) -> ClusterSpec:
     """Read a cluster TOML file (its ``[cluster]`` table) and validate it."""
     path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            raw = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"cluster file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"cluster file {str(path)!r} is not valid TOML: {err}") from None
+    raw = read_toml(path, "cluster file")
     extra = sorted(set(raw) - {"cluster"})
     _require(not extra, f"{path}: unknown section(s) {extra}; the file holds [cluster]")
     _require(isinstance(raw.get("cluster"), dict), f"{path}: the [cluster] table is missing")
