@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from hpctrain.cluster.spec import CPU_LIMITS, DEFAULT_NAME, DEFAULT_SUBNET
+from hpctrain.cluster.spec import CPU_LIMITS, DEFAULT_NAME, DEFAULT_SUBNET, format_rate
 from hpctrain.config import ConfigError
 
 NAME = click.option("--name", default=DEFAULT_NAME, show_default=True,
@@ -118,7 +118,7 @@ def _print_nodes(cl, status: list[dict] | None = None) -> None:
     click.echo(header)
     rows = status or [{"node": n.hostname, "address": n.address,
                        "cpus": ",".join(map(str, n.cpus)) or "any", "cores": n.cpu_cores,
-                       "link": _rate(n.link_bps)} for n in cl.spec.nodes]
+                       "link": format_rate(n.link_bps)} for n in cl.spec.nodes]
     for r in rows:
         line = (f"{r['node']:<10} {r['address']:<15} {r['cpus']:<6} {r['cores']:>5.2f} "
                 f"{r['link']:>8}")
@@ -127,12 +127,6 @@ def _print_nodes(cl, status: list[dict] | None = None) -> None:
             line += (f" {r['processes']:>5} {r['sent_bytes'] / 1e6:>9.1f} "
                      f"{r['received_bytes'] / 1e6:>9.1f} {used:>8}")
         click.echo(line)
-
-
-def _rate(bps: int) -> str:
-    from hpctrain.cluster.spec import format_rate
-
-    return format_rate(bps)
 
 
 @cluster.command("status")
