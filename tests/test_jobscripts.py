@@ -43,7 +43,8 @@ def test_render_fills_resources_and_layout_and_stays_valid_bash(tmp_path):
     text = out.read_text()
     for line in ["#SBATCH --nodes=2 ", "#SBATCH --ntasks-per-node=4 ", "#SBATCH --time=01:00:00 ",
                  "#SBATCH --partition=compute ", "#SBATCH --account=proj ",
-                 ': "${TRAIN_ARGS:=--dp 2 --tp 2 --pp 2 --microbatches 4}"']:
+                 ': "${TRAIN_ARGS:=--dp 2 --tp 2 --pp 2 --microbatches 4}"',
+                 ': "${LAUNCHER:=auto}"']:
         assert line in text, line
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
 
@@ -54,6 +55,8 @@ def test_render_fills_resources_and_layout_and_stays_valid_bash(tmp_path):
      r"dp \* tp \* pp \(3 \* 1 \* 1 = 3\) must equal the tasks allocated"),
     (JobRequest(nodes=1, ranks_per_node=4, time="soon"), r"time \('soon'\) must look like"),
     (JobRequest(nodes=0, ranks_per_node=4), r"must be at least 1"),
+    (JobRequest(nodes=1, ranks_per_node=4, launcher="ssh"),
+     r"launcher \('ssh'\) must be one of auto, srun, mpiexec"),
 ])
 def test_layouts_that_do_not_fit_are_refused(req, message):
     with pytest.raises(ConfigError, match=message):

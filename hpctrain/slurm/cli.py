@@ -34,8 +34,11 @@ def slurm() -> None:
 @click.option("--train-args", default="", help='Further options, e.g. "--microbatches 4".')
 @click.option("--hpctrain", "hpctrain_cmd", default="hpctrain", show_default=True,
               help="The hpctrain command on the compute nodes.")
-@click.option("--launcher", type=click.Choice(["srun", "mpiexec"]), default="srun",
-              show_default=True, help="Launch with srun (PMI-2) or mpiexec.")
+@click.option("--launcher", type=click.Choice(["auto", "srun", "mpiexec"]), default="auto",
+              show_default=True,
+              help="Launch with srun (PMI-2), or with mpiexec inside the allocation; auto: "
+                   "srun, except mpiexec for a multi-node job of the pip MPICH wheel, whose "
+                   "start through srun's pmi2 plugin is unreliable (DEVELOPERS.md).")
 @click.option("--template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=TEMPLATES / "train.sbatch", show_default=True, help="Template to fill.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),

@@ -24,6 +24,9 @@ from hpctrain.config import ConfigError
 TEMPLATES = Path(__file__).resolve().parents[2] / "jobscripts"
 
 
+LAUNCHERS = ("auto", "srun", "mpiexec")
+
+
 @dataclass(frozen=True)
 class JobRequest:
     nodes: int
@@ -39,7 +42,7 @@ class JobRequest:
     account: str | None = None
     train_args: str = ""  # further `hpctrain train` options
     hpctrain: str = "hpctrain"
-    launcher: str = "srun"
+    launcher: str = "auto"  # srun, mpiexec, or auto (train.sbatch says how it chooses)
 
     @property
     def ranks(self) -> int:
@@ -53,8 +56,8 @@ def check_fit(req: JobRequest) -> int:
                           f"cpus per task ({req.cpus_per_task}) must be at least 1")
     if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", req.time):
         raise ConfigError(f"time ({req.time!r}) must look like MM, HH:MM:SS or D-HH:MM:SS")
-    if req.launcher not in ("srun", "mpiexec"):
-        raise ConfigError(f"launcher ({req.launcher!r}) must be srun or mpiexec")
+    if req.launcher not in LAUNCHERS:
+        raise ConfigError(f"launcher ({req.launcher!r}) must be one of {', '.join(LAUNCHERS)}")
     mp = req.tp * req.pp
     dp = req.dp if req.dp is not None else req.ranks // mp
     if dp * mp != req.ranks:
