@@ -1,6 +1,20 @@
 """Layers with side-by-side forward and backward passes (see ``layers.py``)."""
 
 from hpctrain.nn.attention import AttentionCache, CausalSelfAttention
+from hpctrain.nn.batchnorm import BatchNorm, BatchNormCache, serial_sum
+from hpctrain.nn.blocks import ResidualBlock, ResidualBlockCache
+from hpctrain.nn.conv import (
+    Conv2d,
+    Conv3d,
+    ConvCache,
+    ConvNd,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    ConvTransposeCache,
+    ConvTransposeNd,
+    ReLU,
+    Upsample,
+)
 from hpctrain.nn.layers import (
     GELU,
     Embedding,
@@ -15,11 +29,33 @@ from hpctrain.nn.layers import (
 )
 from hpctrain.nn.loss import CrossEntropyCache, cross_entropy, cross_entropy_backward
 from hpctrain.nn.module import Module, Parameter
+from hpctrain.nn.pool import (
+    AvgPool2d,
+    AvgPool3d,
+    AvgPoolNd,
+    MaxPool2d,
+    MaxPool3d,
+    MaxPoolCache,
+    MaxPoolNd,
+)
 
 __all__ = [
     "GELU",
     "AttentionCache",
+    "AvgPool2d",
+    "AvgPool3d",
+    "AvgPoolNd",
+    "BatchNorm",
+    "BatchNormCache",
     "CausalSelfAttention",
+    "Conv2d",
+    "Conv3d",
+    "ConvCache",
+    "ConvNd",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "ConvTransposeCache",
+    "ConvTransposeNd",
     "CrossEntropyCache",
     "Embedding",
     "EmbeddingCache",
@@ -28,10 +64,19 @@ __all__ = [
     "LayerNormCache",
     "Linear",
     "LinearCache",
+    "MaxPool2d",
+    "MaxPool3d",
+    "MaxPoolCache",
+    "MaxPoolNd",
     "Module",
     "Parameter",
+    "ReLU",
     "Residual",
+    "ResidualBlock",
+    "ResidualBlockCache",
+    "Upsample",
     "cross_entropy",
     "cross_entropy_backward",
     "init_normal",
+    "serial_sum",
 ]
