@@ -26,6 +26,7 @@ import h5py
 import numpy as np
 
 from data_prep.write import no_progress
+from hpctrain.data.contents import CONTENT_ATTRS
 from hpctrain.data.format import (
     MANIFEST,
     MANIFEST_NAME,
@@ -215,6 +216,8 @@ def _write_manifest(source, out, tmp, info, plans, owners, num_shards, strategy,
                         "source_sha256": sha256_file(source), "strategy": strategy,
                         "seed": seed, "weights": np.asarray(weights, dtype=np.float64),
                         "num_shards": num_shards})
+        # what the data hold (vocabulary, classes), for the check against the model
+        m.attrs.update({k: info.attrs[k] for k in CONTENT_ATTRS if k in info.attrs})
         for table, (rows, rs, elements) in plans.items():
             g = m.create_group(f"tables/{table}")
             g.attrs.update({"rows": rows, "row_size": rs, "elements": elements})

@@ -66,6 +66,7 @@ def write_tokens(out: Path, files: list[Path], *, val_fraction: float, compressi
                         f"validation tokens; both must be non-empty (more text, or another "
                         f"--val-fraction)")
     attrs = _header(TOKENS) | {"vocab_size": 256, "val_fraction": val_fraction,
+                               "max_token": int(max(train_tokens.max(), val_tokens.max())),
                                "sources": [f.name for f in files]}
     with atomic_h5(out, force=force, attrs=attrs) as h5:
         with progress(2, "writing") as bar:
@@ -81,7 +82,11 @@ def write_images(out: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]], *,
                  progress=no_progress) -> dict[str, int]:
     """``<split>/images`` (N, H, W) uint8 and ``<split>/labels`` (N,) uint8 per split."""
     check_output(out, force)
-    attrs = _header(IMAGES) | {"n_classes": len(classes), "classes": list(classes)}
+    shapes = {images.shape[1:] for images, _ in splits.values()}
+    if len(shapes) != 1:
+        raise DataError(f"the splits' images differ in shape: {sorted(shapes)}")
+    attrs = _header(IMAGES) | {"n_classes": len(classes), "classes": list(classes),
+                               "image_shape": list(shapes.pop())}
     with atomic_h5(out, force=force, attrs=attrs) as h5:
         with progress(2 * len(splits), "writing") as bar:
             for split, (images, labels) in splits.items():
