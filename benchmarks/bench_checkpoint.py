@@ -1,27 +1,51 @@
-"""Checkpoint save and load throughput next to a raw write and read of the same bytes.
+"""Checkpoint save and load throughput next to a raw write and read of the same bytes,
+and the training-visible stall of an asynchronous save, all in one run.
 
     python benchmarks/bench_checkpoint.py                     # serial, the benchmark GPT
+    mpiexec -n 2 python benchmarks/bench_checkpoint.py        # dp=2
     mpiexec -n 4 python benchmarks/bench_checkpoint.py --tp 2 --zero 1
 
-Saves the benchmark GPT with its AdamW state (3 arrays per parameter) at the layout
-given, then loads it back into the same engine; each timed ``--repeats`` times, the
-median reported, every rank synchronised by a barrier first and the slowest rank
-counted. The raw baseline, in the same folder: each rank writes exactly the bytes
-its rank file holds as one flat file (``ndarray.tofile``, then ``fsync``, as the
-checkpoint does) and reads back, from those flat files, as many bytes as its load
-reads. The checkpoint's extra work is the HDF5 structure (one dataset per piece),
-the sha256 of every piece on both sides, the index, the renames and the slicing into
-the live arrays.
+The benchmark GPT is trained for a few steps first, so that its parameters and AdamW
+state (3 arrays per parameter) are real, paged-in values (an untrained engine's
+optimizer state is untouched zero pages: the first write of them faulted for 0.3 s).
 
-Both reads come from the page cache once the files are written (nothing here drops
-it): the read figures compare the software paths, not the disk.
+Save and raw write alternate, ``--repeats`` times each, and so do load and raw read;
+each figure is the median, every rank synchronised by a barrier first and the
+slowest rank counted. The raw baseline, in the same folder: each rank writes exactly
+the bytes its rank file holds as one flat file, from an array that already exists
+(one ``write``, then ``fsync``, as the checkpoint does), and reads back, from those
+flat files, as many bytes as its load reads, into arrays that already exist
+(``readinto``: the load, too, reads into the live arrays). The checkpoint's extra
+work is the HDF5 structure (one flat dataset per dtype), the checksum (and, on save,
+the finite check) of every piece, the index, the renames, the pruning of the previous
+checkpoint (``keep_checkpoints`` 1; its deletion, a background thread's, is waited
+for before the next timed save, as a training step would separate two saves) and the
+walk over the pieces.
+
+The asynchronous save is measured as training sees it: pairs of training steps
+(``--step-batch`` sequences of ``seq_len`` tokens per rank), one plain, the other
+preceded by an asynchronous save whose snapshot overlaps the step's forward and
+backward (``train_step``'s ``before_update`` waits for it). The *stall* is the
+median over ``--pairs`` of (save call + step after it) - (plain step): the plan,
+the wait for the snapshot, and whatever the background copy, write, checksums and
+fsync took from the step (CPU and memory bandwidth) while they ran beside it. The
+write is then waited for, untimed, before the next pair. Also printed: the save
+call alone, the wait in ``before_update`` and the background thread's times.
+
+Reads are measured twice. Warm, from the page cache the writes filled: the software
+paths side by side, where a raw read is a memory copy. Cold, after every file of the
+checkpoint and of the raw baseline is dropped from the page cache
+(``posix_fadvise(DONTNEED)``, no privileges needed): a load as a restarted job does
+it, from the disk.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -29,48 +53,72 @@ import numpy as np
 from mpi4py import MPI
 
 from hpctrain.bench import timed_on_all_ranks
-from hpctrain.checkpoint import Checkpoint, load_training, save_training
+from hpctrain.checkpoint import Checkpoint, load_training, save_training, writer
+from hpctrain.checkpoint.background import BackgroundWriter
+from hpctrain.checkpoint.format import blocksum64
 from hpctrain.checkpoint.state import held_tensors
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.data.format import sha256_array
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
-from hpctrain.runtime import set_blas_threads
-from hpctrain.train import make_data_parallel
+from hpctrain.runtime import keep_freed_memory, set_blas_threads
+from hpctrain.train import make_data_parallel, train_step
 
 
-def raw_write(path: Path, nbytes: int) -> None:
-    np.ones(nbytes, np.uint8).tofile(path)
-    fd = os.open(path, os.O_RDONLY)
+def raw_write(path: Path, data: np.ndarray) -> None:
+    """``data``'s bytes as a new file, fsync'ed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        view, done = memoryview(data).cast("B"), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def raw_read(paths: list[Path], nbytes: int) -> int:
-    """Read ``nbytes`` from the files in turn (wrapping round); returns the bytes read."""
-    done, k = 0, 0
-    while done < nbytes:
-        chunk = np.fromfile(paths[k % len(paths)], np.uint8, count=nbytes - done)
-        done += chunk.size
+def raw_read(paths: list[Path], out: np.ndarray) -> int:
+    """Fill ``out`` from the files in turn (wrapping round); returns the bytes read."""
+    view, done, k = memoryview(out).cast("B"), 0, 0
+    while done < len(view):
+        with open(paths[k % len(paths)], "rb", buffering=0) as fh:
+            while done < len(view) and (n := fh.readinto(view[done:])):
+                done += n
         k += 1
     return done
 
 
-def raw_figures(comm, raw_dir: Path, written: int, to_read: int, repeats: int):
-    """Seconds to write ``written`` bytes per rank as flat files, and to read back
-    ``to_read`` bytes per rank from them (each rank starting at its own file)."""
-    rank = comm.Get_rank()
-    if rank == 0:
-        raw_dir.mkdir(exist_ok=True)
+def evict(folders: list[Path]) -> None:
+    """Drop the files under ``folders`` from the page cache (``POSIX_FADV_DONTNEED``:
+    their pages are clean, fsync'ed), so that the next read comes from the disk."""
+    for folder in folders:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def timed(comm, fn) -> float:
+    """Seconds of ``fn()`` on the slowest rank, every rank starting together."""
     comm.Barrier()
-    flat = raw_dir / f"rank-{rank:05d}.bin"
-    t_write = timed_on_all_ranks(comm, lambda: raw_write(flat, written), repeats,
-                                 setup=lambda: flat.unlink(missing_ok=True))
-    files = sorted(raw_dir.glob("*.bin"))
-    files = files[rank % len(files):] + files[:rank % len(files)]
-    return t_write, timed_on_all_ranks(comm, lambda: raw_read(files, to_read), repeats)
+    t0 = time.perf_counter()
+    fn()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def interleaved(comm, first, second, repeats: int, setup=None) -> tuple[float, float]:
+    """Medians of ``first()`` and ``second()`` timed alternately (``setup()`` untimed
+    before each)."""
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, times in ((first, a), (second, b)):
+            if setup is not None:
+                setup()
+            times.append(timed(comm, fn))
+    return statistics.median(a), statistics.median(b)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,16 +131,23 @@ def raw_figures(comm, raw_dir: Path, written: int, to_read: int, repeats: int):
 @click.option("--zero", default=0, show_default=True, help="ZeRO stage (0, 1 or 2).")
 @click.option("--folder", type=click.Path(file_okay=False),
               help="Where to write (default: a temporary folder, removed afterwards).")
-@click.option("--repeats", default=3, show_default=True, help="Timed repetitions of each.")
-def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats):
-    """Save and load MB/s of a checkpoint, and of raw files of the same bytes."""
+@click.option("--repeats", default=5, show_default=True,
+              help="Timed repetitions of each save, load and raw figure.")
+@click.option("--pairs", default=11, show_default=True,
+              help="Pairs of steps (plain, after an asynchronous save) for the stall.")
+@click.option("--step-batch", default=1, show_default=True,
+              help="Sequences of seq_len tokens per rank in a training step.")
+def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, step_batch):
+    """Save and load MB/s of a checkpoint, and of raw files of the same bytes; the
+    stall of an asynchronous save against the synchronous save."""
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     set_blas_threads(1)
+    keep_freed_memory()
     cfg = Config(model=ModelConfig(n_layer=layers, d_model=d_model, n_head=heads, seq_len=256,
                                    vocab_size=vocab),
                  parallel=ParallelConfig(tp=tp, pp=pp, zero=zero, microbatches=pp),
-                 train=TrainConfig(batch_size=8 * pp * comm.Get_size(),
+                 train=TrainConfig(batch_size=step_batch * comm.Get_size() // tp,
                                    keep_checkpoints=1)).validate(comm.Get_size())
     base = comm.bcast(folder or tempfile.mkdtemp(prefix="bench-ckpt-") if rank == 0 else None)
     root = Path(base) / "checkpoints"
@@ -101,6 +156,15 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats):
     dp = make_data_parallel(cfg, engine, topo)
     held_bytes = sum(h.array.nbytes for h in held_tensors(engine, dp, topo.tp_rank,
                                                           topo.tp_size))
+    rng = np.random.default_rng(topo.dp_rank)
+    background = BackgroundWriter(topo.ckpt_comm, overlap=True)
+
+    def step(hook=None):
+        x, y = (rng.integers(0, vocab, (step_batch * pp, cfg.model.seq_len)) for _ in "xy")
+        train_step(engine, dp, x, y, lr=1e-4, grad_clip=1.0, before_update=hook)
+
+    for _ in range(3):  # real values in the parameters and the optimizer state
+        step()
     steps = iter(range(1, 10**6))
     saved = {}
 
@@ -108,27 +172,68 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats):
         saved["path"] = save_training(cfg, topo, engine, dp, step=next(steps),
                                       loader_state=None, root=root)
 
-    t_save = timed_on_all_ranks(comm, save, repeats)
-    t_load = timed_on_all_ranks(
-        comm, lambda: load_training(saved["path"], cfg, topo, engine, dp), repeats)
+    def load():
+        load_training(saved["path"], cfg, topo, engine, dp, root=root)
+
+    save()  # the flat files' sizes, and the first write of the snapshot buffers
     mine = saved["path"] / f"rank-{rank:05d}.h5"
-    with_file = mine.is_file()
     with Checkpoint(saved["path"]) as ck:
         total = sum(int(np.prod(t.global_shape)) * np.dtype(t.dtype).itemsize
                     for t in ck.tensors.values())
         written = sum(int(np.prod(np.subtract(p.stop, p.start))) * np.dtype(t.dtype).itemsize
-                      for t in ck.tensors.values() for p in t.pieces
-                      if p.file == mine.name) if with_file else 0
-    t_raw_w, t_raw_r = raw_figures(comm, Path(base) / "raw", written, held_bytes, repeats)
+                      for t in ck.tensors.values() for p in t.pieces if p.file == mine.name)
+        n_files = len(ck.index.files)
+    raw_dir = Path(base) / "raw"
+    if rank == 0:
+        raw_dir.mkdir(exist_ok=True)
+    comm.Barrier()
+    flat = raw_dir / f"rank-{rank:05d}.bin"
+    data, out = np.ones(written, np.uint8), np.zeros(held_bytes, np.uint8)
+
+    def before_write():
+        writer.wait_for_pruning()
+        flat.unlink(missing_ok=True)
+
+    t_save, t_raw_w = interleaved(comm, save, lambda: raw_write(flat, data), repeats,
+                                  setup=before_write)  # the raw files stay, to read
+    files = sorted(raw_dir.glob("*.bin"))
+    files = files[rank % len(files):] + files[:rank % len(files)]
+    t_load, t_raw_r = interleaved(comm, load, lambda: raw_read(files, out), repeats)
+    t_load_cold, t_raw_r_cold = interleaved(  # both from the disk, not the page cache
+        comm, load, lambda: raw_read(files, out), repeats,
+        setup=lambda: evict([saved["path"], raw_dir]))
+
+    def save_async():
+        saved["path"] = save_training(cfg, topo, engine, dp, step=next(steps),
+                                      loader_state=None, root=root, background=background)
+
+    save_async()  # the snapshot buffers page in: not the steady state
+    background.wait()
+    plain, after, calls, waits, copies, writes = [], [], [], [], [], []
+    for _ in range(pairs):
+        writer.wait_for_pruning()
+        plain.append(timed(comm, step))
+        calls.append(timed(comm, save_async))
+        after.append(timed(comm, lambda: step(background.captured)))
+        waits.append(comm.allreduce(background.capture_wait_s, op=MPI.MAX))
+        background.wait()
+        copies.append(comm.allreduce(background.copy_s, op=MPI.MAX))
+        writes.append(comm.allreduce(background.write_s, op=MPI.MAX))
+    diffs = [c + a - p for c, a, p in zip(calls, after, plain, strict=True)]
+    stall = statistics.median(diffs)
+    q1, _, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (stall,) * 3
+    p1, _, p3 = statistics.quantiles(plain, n=4) if len(plain) > 1 else (plain[0],) * 3
+    med = statistics.median
     loaded = comm.allreduce(held_bytes)
     arrays = [h.array for h in held_tensors(engine, dp, topo.tp_rank, topo.tp_size)]
     t_sha = timed_on_all_ranks(comm, lambda: [sha256_array(a) for a in arrays], repeats)
+    t_sum = timed_on_all_ranks(comm, lambda: [blocksum64(a) for a in arrays], repeats)
 
     if rank == 0:
         mb = 1e6
         print(f"{comm.Get_size()} rank(s), dp={topo.dp_size} tp={tp} pp={pp} zero={zero}: GPT "
               f"{layers} layers, d_model {d_model}; checkpoint {total / mb:.1f} MB "
-              f"(parameters and AdamW state) in {len(ck.index.files)} file(s)")
+              f"(parameters and AdamW state) in {n_files} file(s)")
         print(f"save        {t_save:7.3f} s  {total / mb / t_save:8.1f} MB/s")
         print(f"raw write   {t_raw_w:7.3f} s  {total / mb / t_raw_w:8.1f} MB/s   "
               f"(save at {100 * t_raw_w / t_save:.0f}% of raw)")
@@ -136,10 +241,26 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats):
               f"({loaded / mb:.1f} MB into the ranks' arrays)")
         print(f"raw read    {t_raw_r:7.3f} s  {loaded / mb / t_raw_r:8.1f} MB/s   "
               f"(load at {100 * t_raw_r / t_load:.0f}% of raw)")
-        print(f"sha256      {t_sha:7.3f} s  {loaded / mb / t_sha:8.1f} MB/s   (of what a load "
-              f"reads, once: part of both save and load)")
-        if folder is None:
-            shutil.rmtree(base, ignore_errors=True)
+        print(f"load, cold  {t_load_cold:7.3f} s  {loaded / mb / t_load_cold:8.1f} MB/s   "
+              f"(the files dropped from the page cache first: read from the disk)")
+        print(f"raw, cold   {t_raw_r_cold:7.3f} s  {loaded / mb / t_raw_r_cold:8.1f} MB/s   "
+              f"(load at {100 * t_raw_r_cold / t_load_cold:.0f}% of raw)")
+        print(f"async stall {stall:7.3f} s                  ({100 * stall / t_save:.1f}% of "
+              f"the synchronous save {t_save:.3f} s): (save call + next step) - plain step, "
+              f"median of {pairs} pairs, quartiles {q1:.3f} to {q3:.3f} s")
+        print(f"  plain step {med(plain):.3f} s (quartiles {p1:.3f} to {p3:.3f}), step after "
+              f"the save {med(after):.3f} s, "
+              f"save call {med(calls):.4f} s, wait in before_update {med(waits):.4f} s; "
+              f"in the background: snapshot {med(copies):.3f} s, whole write "
+              f"{med(writes):.3f} s")
+        print(f"blocksum64  {t_sum:7.3f} s  {loaded / mb / t_sum:8.1f} MB/s   (the checksum, of "
+              f"what a load reads, once: part of both save and load)")
+        print(f"sha256      {t_sha:7.3f} s  {loaded / mb / t_sha:8.1f} MB/s   (the checksum "
+              f"of format version 1, for comparison)")
+    writer.wait_for_pruning()
+    comm.Barrier()
+    if rank == 0 and folder is None:
+        shutil.rmtree(base, ignore_errors=True)
     topo.free()
 
 

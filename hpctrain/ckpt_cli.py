@@ -88,7 +88,8 @@ def inspect(checkpoint: str, tensors: bool, as_json: bool) -> None:
 @ckpt.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
 def verify(checkpoint: str) -> None:
-    """Read every piece of a checkpoint and check its shape, dtype and sha256.
+    """Read every piece of a checkpoint and check its shape, dtype and checksum, and
+    that every tensor is finite (no nan or inf).
 
     Exit status 0 if the checkpoint is whole; else each problem is printed (file and
     tensor) and the status is 2.
@@ -109,7 +110,8 @@ def verify(checkpoint: str) -> None:
         _fail(problems)
     pieces = sum(len(t.pieces) for t in ck.tensors.values())
     click.echo(f"ok: {ck.index.path}: step {ck.step}, {len(ck.tensors)} tensors, {pieces} "
-               f"pieces in {len(ck.index.files)} file(s), every sha256 matches")
+               f"pieces in {len(ck.index.files)} file(s), every checksum matches, every value "
+               f"is finite")
 
 
 @ckpt.command()

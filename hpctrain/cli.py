@@ -30,10 +30,14 @@ OVERRIDES = {
     "bucket_mb": "parallel.bucket_mb",
     "dp_reduce": "parallel.dp_reduce",
     "steps": "train.steps",
+    "lr": "train.lr",
     "seed": "train.seed",
     "run_dir": "train.run_dir",
     "save_interval": "train.save_interval",
     "keep": "train.keep_checkpoints",
+    "async_save": "train.async_save",
+    "stall_timeout": "train.stall_timeout",
+    "max_skipped_steps": "train.max_skipped_steps",
 }
 
 
@@ -76,26 +80,43 @@ def main() -> None:
                    "node (hierarchical; with ZeRO a reduce-scatter and a scatter). Default: "
                    "the config's, flat.")
 @click.option("--steps", type=int, help="Optimizer steps to run.")
+@click.option("--lr", type=float, help="Peak learning rate (after warm-up).")
 @click.option("--seed", type=int, help="Seed for initialisation and data order.")
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Folder for metrics.jsonl and config.json.")
 @click.option("--save-interval", type=int,
               help="Save a checkpoint every N steps and at the last one (0: never).")
 @click.option("--keep", type=int, help="Complete checkpoints to keep (the newest).")
+@click.option("--async-save/--no-async-save", default=None,
+              help="Copy the state in memory and write the checkpoint from a background "
+                   "thread while training goes on (one write in flight).")
+@click.option("--stall-timeout", type=float, metavar="SECONDS",
+              help="Abort the job, naming the late ranks and what the others wait in, when a "
+                   "step takes longer than this (0: never; default 300).")
+@click.option("--max-skipped-steps", type=int,
+              help="Stop the run after this many consecutive steps with a non-finite loss "
+                   "or gradient norm (each is skipped: no update).")
 @click.option("--resume", metavar="auto|PATH",
               help="Continue from a checkpoint: 'auto' is RUN_DIR/checkpoints/latest (or a "
                    "fresh start if there is none); PATH a run, checkpoints or step folder, "
                    "or a consolidated file. Any parallel layout loads it.")
+@click.option("--reset-schedule", is_flag=True,
+              help="With --resume: follow the config's learning-rate schedule (lr, min_lr, "
+                   "warmup_steps, steps) instead of the one saved in the checkpoint, e.g. a "
+                   "lower lr after the run diverged.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Write every rank's timeline of the training steps to this file: Chrome "
                    "trace JSON, one track per rank (open it in ui.perfetto.dev).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
-def train(config_path: str, quiet: bool, resume: str | None, trace_path: str | None,
-          **options) -> None:
+def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: bool,
+          trace_path: str | None, **options) -> None:
     """Train a model on every rank of the MPI job.
 
     On SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved and the
-    command exits with status 3 (the SLURM template then requeues the job).
+    command exits with status 3 (the SLURM template then requeues the job). A step
+    whose loss or gradient norm is nan or inf is skipped on every rank; after
+    --max-skipped-steps of them in a row the run stops with status 4, its last
+    checkpoint (never written from non-finite state) intact.
 
     \b
     Examples:
@@ -124,7 +145,7 @@ def train(config_path: str, quiet: bool, resume: str | None, trace_path: str | N
         from hpctrain.train import train as run_training
 
         summary = run_training(cfg, comm, quiet=quiet, resume=resume,
-                               trace_path=trace_path)
+                               reset_schedule=reset_schedule, trace_path=trace_path)
     preempt.ignore()  # the run is over, saved or finished: a late signal changes nothing
     if summary.preempted:
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job

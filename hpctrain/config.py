@@ -102,6 +102,9 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the newest complete checkpoints kept in run_dir/checkpoints
     blas_threads: int = 0  # per rank; 0 means cores // ranks on this node
     row_threads: int = 0  # element-wise threads per rank (hpctrain.nn.threads); 0: as BLAS
+    max_skipped_steps: int = 5  # consecutive non-finite steps skipped before the run stops
+    stall_timeout: float = 300.0  # seconds a step may take before the job is aborted; 0: off
+    async_save: bool = False  # write checkpoints from a background thread while training
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,10 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
              f"keep_checkpoints ({t.keep_checkpoints}) must be at least 1")
     _require(t.blas_threads >= 0, f"blas_threads ({t.blas_threads}) must not be negative")
     _require(t.row_threads >= 0, f"row_threads ({t.row_threads}) must not be negative")
+    _require(t.max_skipped_steps >= 1,
+             f"max_skipped_steps ({t.max_skipped_steps}) must be at least 1")
+    _require(t.stall_timeout == 0 or t.stall_timeout >= 1,
+             f"stall_timeout ({t.stall_timeout}) must be 0 (off) or at least 1 second")
 
 
 # ---------------------------------------------------------------------------------

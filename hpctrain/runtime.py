@@ -1,6 +1,6 @@
 """How a job starts and how it fails: one rank's error ends every rank.
 
-Two kinds of failure, two mechanisms:
+Three kinds of failure, three mechanisms:
 
 * **User errors** (a bad config value, a missing or corrupt dataset) are found during
   start-up, before any training collective. ``startup_check`` runs the start-up work
@@ -11,6 +11,9 @@ Two kinds of failure, two mechanisms:
   prefixed with the rank and calls ``MPI_Abort``, which ends the whole job with a
   non-zero status. Waiting ranks are never left hanging in a collective (the same
   behaviour as ``python -m mpi4py``).
+* **Errors the ranks agreed on** in a collective (``CollectiveError``: the run diverged,
+  ``hpctrain.guard``): every rank raises it in the same step, rank 0 prints it once and
+  all exit with its status, without an abort.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ EXIT_CRASH = 1
 
 class UserError(Exception):
     """An error the user fixes by changing input; printed without a traceback."""
+
+
+class CollectiveError(UserError):
+    """A user error every rank raises together, at the same point of the run (the ranks
+    agreed on it in a collective): rank 0 prints it once and every rank exits with
+    ``exit_code``; nobody is waiting, so no ``MPI_Abort``."""
+
+    exit_code = EXIT_USER_ERROR
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -80,6 +91,10 @@ def abort_on_error(comm: Any):
         yield
     except SystemExit:
         raise
+    except CollectiveError as err:
+        if comm.Get_rank() == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
     except BaseException as err:  # noqa: BLE001 - every failure must end the job
         rank, size = comm.Get_rank(), comm.Get_size()
         prefix = f"[rank {rank}] " if size > 1 else ""

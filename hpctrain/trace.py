@@ -32,6 +32,10 @@ Chrome trace (``write_chrome``): one JSON object, ``pid`` = world rank, ``tid`` 
 main thread, ``ts``/``dur`` in microseconds from one origin shared by all ranks (the
 end of a barrier), ``otherData.format = "hpctrain-trace"``. It opens in Perfetto
 (ui.perfetto.dev) and ``chrome://tracing``.
+
+Where the main thread is (``Tracer.position``): its open spans, outermost first, and
+the last outermost span it closed. Another thread reads it at any time (the stall
+watchdog, ``hpctrain.watchdog``); keeping it costs a list append and pop per span.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +61,7 @@ class _Span:
         self.tracer, self.name, self.cat, self.args = tracer, name, cat, args
 
     def __enter__(self) -> _Span:
-        self.start = self.tracer._open()
+        self.tracer._open(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,6 +79,20 @@ class _NullSpan:
 
 
 _NULL_SPAN = _NullSpan()
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a tracer's main thread is (``Tracer.position``).
+
+    ``spans``: its open spans, outermost first, each ``(name, cat, args, start)``
+    (``start`` a ``perf_counter`` reading); ``step``: the tracer's step; ``closed``:
+    ``(step, end)`` of the last outermost span it closed, or None.
+    """
+
+    spans: tuple[tuple[str, str, dict, float], ...]
+    step: int | None
+    closed: tuple[int | None, float] | None
 
 
 class NullTracer:
@@ -106,6 +125,8 @@ class Tracer:
         self._tids = {self._main: 0}
         self._thread_names = {0: "main"}
         self._stack: list[float] = []  # main thread: child seconds of each open span
+        self._open_spans: list[_Span] = []  # main thread: the open spans, outermost first
+        self._closed: tuple[int | None, float] | None = None
 
     def set_origin(self, origin: float) -> None:
         """Timestamps count from ``origin`` (a ``perf_counter`` reading)."""
@@ -121,6 +142,11 @@ class Tracer:
         if self.keep_events:
             self.events.append((name, cat, self._tid(), start, end, self._args(args)))
 
+    def position(self) -> Position:
+        """Where the main thread is: a copy, safe to take from any thread."""
+        spans = tuple((s.name, s.cat, s.args, s.start) for s in list(self._open_spans))
+        return Position(spans, self.step, self._closed)
+
     def take_totals(self) -> dict[str, float]:
         """Exclusive seconds per category since the last call; resets them."""
         totals, self.totals = self.totals, dict.fromkeys(CATEGORIES, 0.0)
@@ -128,20 +154,24 @@ class Tracer:
 
     # ---- the span machinery ---------------------------------------------------------
 
-    def _open(self) -> float:
+    def _open(self, span: _Span) -> None:
+        span.start = time.perf_counter()
         if threading.get_ident() == self._main:
             self._stack.append(0.0)
-        return time.perf_counter()
+            self._open_spans.append(span)  # after .start is set: readers see it whole
 
     def _close(self, name: str, cat: str, args: dict, start: float) -> None:
         end = time.perf_counter()
         tid = self._tid()
         if tid == 0:
             children = self._stack.pop()
+            self._open_spans.pop()
             elapsed = end - start
             self.totals[cat if cat in self.totals else "other"] += elapsed - children
             if self._stack:
                 self._stack[-1] += elapsed
+            else:
+                self._closed = (self.step, end)
         if self.keep_events:
             self.events.append((name, cat, tid, start, end, self._args(args)))
 

@@ -19,10 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain import preempt, trace
+from hpctrain import preempt, trace, watchdog
+from hpctrain.checkpoint.background import BackgroundWriter
+from hpctrain.checkpoint.retention import NO_PRUNING, Retention
 from hpctrain.checkpoint.state import schedule_of
+from hpctrain.checkpoint.training import checkpoint_root
 from hpctrain.config import Config
 from hpctrain.data import eval_batches, open_loader
+from hpctrain.data.contents import check_fits, read_contents
+from hpctrain.guard import DivergenceError, NonFiniteGuard
 from hpctrain.metrics import MetricsWriter, progress_line
 from hpctrain.nn import threads as nn_threads
 from hpctrain.optim import schedule
@@ -85,11 +90,18 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
                             else None)
 
 
-def train_step(engine, dp, x, y, *, lr: float, grad_clip: float) -> tuple[float, float]:
+def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
+               step: int = 0, before_update: Callable[[], None] | None = None
+               ) -> tuple[float, float]:
     """One optimizer step on this rank's batch; returns (mean loss over dp, grad norm).
 
     ``dp`` is ``make_data_parallel``'s. Collective over the data group, and over the
-    model group inside the engine and the norm.
+    model group inside the engine and the norm. ``guard`` (``hpctrain.guard``), if
+    given, may skip the update of a step with a non-finite loss or norm (collective
+    over the world); ``step`` names the step in its messages. ``before_update``, if
+    given, is called right before the update changes the parameters and optimizer
+    state (ZeRO's too): forward and backward only read them, so a background
+    checkpoint copies them meanwhile (``BackgroundWriter.captured``).
     """
     with trace.span("zero_grad", "optimizer"):
         dp.zero_grad()
@@ -99,9 +111,12 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float) -> tuple[float,
         dp.finish_grads()
     with trace.span("optimizer", "optimizer"):
         norm = dp.grad_norm()
-        if grad_clip > 0:
-            dp.clip(grad_clip, norm)
-        dp.step(lr)
+        if guard is None or guard.check(step, loss, norm):
+            if before_update is not None:
+                before_update()
+            if grad_clip > 0:
+                dp.clip(grad_clip, norm)
+            dp.step(lr)
     return mean_over(dp.dp_comm, loss), norm
 
 
@@ -109,7 +124,8 @@ def mean_over(comm, value: float) -> float:
     """Mean of a scalar over ``comm`` (collective)."""
     if comm.Get_size() == 1:
         return float(value)
-    return comm.allreduce(float(value)) / comm.Get_size()
+    with trace.span("loss_mean", "other", comm="dp_comm"):
+        return comm.allreduce(float(value)) / comm.Get_size()
 
 
 def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, float | None]:
@@ -133,6 +149,9 @@ def _tokens_per_sample(cfg: Config) -> int:
 
 
 def _open_data(cfg: Config, topo: Topology):
+    """The training loader and the validation batches, after checking that the model
+    can take the data (``data.contents``)."""
+    check_fits(read_contents(cfg.data.path), cfg.model)
     seq_len = cfg.model.seq_len if cfg.model.kind == "gpt" else None
     common = dict(batch_size=cfg.train.batch_size, dp_rank=topo.dp_rank,
                   dp_size=topo.dp_size, seq_len=seq_len)
@@ -156,15 +175,53 @@ def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader)
 
 
 def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dict,
-          writer) -> None:
-    """Checkpoint after ``step`` (collective); rank 0 says where and how long."""
-    from hpctrain.checkpoint import save_training
+          background, writer) -> Path | None:
+    """Checkpoint after ``step`` (collective); rank 0 says where and how long; returns
+    the folder (None: the state was not finite, nothing was written). ``background``:
+    a ``BackgroundWriter`` (``--async-save``) or None. Nothing is pruned here: the
+    run's ``checkpoint.retention`` does it once the checkpoint is confirmed."""
+    from hpctrain.checkpoint.training import NonFiniteState, save_training
 
+    _wait_for_save(background, writer)  # at most one write in flight
     t0 = time.perf_counter()
-    path = save_training(cfg, topo, engine, dp, step=step, loader_state=loader.state_dict(),
-                         schedule=sched)
+    try:
+        path = save_training(cfg, topo, engine, dp, step=step,
+                             loader_state=loader.state_dict(), schedule=sched,
+                             background=background, say=writer.say if writer else None,
+                             keep=NO_PRUNING)
+    except NonFiniteState as err:  # every rank alike; the last finite checkpoint stays
+        if writer is not None:
+            writer.say(f"warning: {err}")
+        return None
     if writer is not None:
-        writer.say(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s)")
+        how = "" if background is None else "; writing it in the background"
+        writer.say(f"checkpoint {path} ({time.perf_counter() - t0:.2f} s{how})")
+    return path
+
+
+def _healthy(path: Path | None) -> str:
+    """The end of a divergence message: where ``--resume auto`` continues from."""
+    if path is None:
+        return (" (no checkpoint of this run was followed by a finite step: start afresh "
+                "with a lower learning rate)")
+    return f" ({path} is the newest checkpoint whose next step was finite; 'latest' names it)"
+
+
+def _wait_for_save(background, writer) -> bool:
+    """Wait for the background write in flight, if any; its error is raised on every
+    rank; rank 0 says when it landed, or warns that the state was not finite (as the
+    synchronous save does: nothing written). False: it was refused so."""
+    from hpctrain.checkpoint.training import NonFiniteState
+
+    try:
+        path = None if background is None else background.wait()
+    except NonFiniteState as err:  # every rank alike; the last finite checkpoint stays
+        if writer is not None:
+            writer.say(f"warning: {err}")
+        return False
+    if path is not None and writer is not None:
+        writer.say(f"checkpoint {path} written ({background.write_s:.2f} s in the background)")
+    return True
 
 
 def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, engine, dp,
@@ -182,7 +239,10 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
         if warning:
             writer.say(warning)
     if resumed is not None:
-        kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
+        if sched != resumed.schedule:
+            kept = f", with the config's schedule {sched} instead of its {resumed.schedule}"
+        else:
+            kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
         writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
 
 
@@ -214,12 +274,13 @@ def _write_trace(cfg: Config, comm, topo: Topology, tracer, path: str, writer) -
 
 
 def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = None,
-          trace_path: str | None = None,
+          reset_schedule: bool = False, trace_path: str | None = None,
           after_step: Callable[[], dict[str, Any]] | None = None) -> Summary:
     """Train on every rank of ``comm`` with a config already validated for its size.
 
     ``resume``: "auto" (the run's latest checkpoint, if any) or a checkpoint path; the
-    run then continues after the saved step, with the saved learning-rate schedule.
+    run then continues after the saved step, with the saved learning-rate schedule
+    (the config's with ``reset_schedule``).
     ``trace_path``: write every rank's timeline of the training steps there (Chrome
     trace). Every step's record in metrics.jsonl carries ``time_s``, the mean over
     ranks of each trace category's seconds (``hpctrain.trace.CATEGORIES``).
@@ -241,7 +302,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     sched = schedule_of(cfg)  # lr_at's keyword arguments; a resumed run keeps its own
     resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
     first = 1 if resumed is None else resumed.step + 1
-    if resumed is not None:
+    if resumed is not None and not reset_schedule:
         sched = resumed.schedule
 
     writer = None
@@ -252,66 +313,150 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         if not quiet:
             _announce(writer, cfg, comm, topo, nodes, threads, engine, dp, resumed, sched)
 
-    losses, val_losses, accuracy = [], [], None
-    tokens_per_step = t.batch_size * _tokens_per_sample(cfg)
+    loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, trace_path,
+                 after_step)
     if val is not None and resumed is None:
-        val_loss, accuracy = evaluate(cfg, engine, val, topo.dp_comm)
-        val_losses.append(val_loss)
-        if writer is not None:
-            writer.write({"step": 0, "val_loss": val_loss} |
-                         ({} if accuracy is None else {"val_accuracy": accuracy}))
-            if not quiet:
-                writer.say(f"step 0/{t.steps} | val {val_loss:.4f}")
-    tracer = trace.Tracer(keep_events=trace_path is not None)
-    trace.align_origin(comm, tracer)
+        loop.evaluate(0, val, {"step": 0})
+    if resumed is not None:
+        loop.retention.saved(resumed.path.parent)  # pending until its first step is finite
+    trace.align_origin(comm, loop.tracer)
     start = time.perf_counter()
-    preempted = False
-    for step in range(first, t.steps + 1):
-        t0 = time.perf_counter()
-        lr = schedule.lr_at(step - 1, **sched)
-        with trace.recording(tracer):
-            tracer.step = step
-            with trace.span("step", "other"):
-                with trace.span("data", "data"):
-                    x, y = loader.next_batch()
-                loss, norm = train_step(engine, dp, x, y, lr=lr, grad_clip=t.grad_clip)
-            tracer.step = None
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
-                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "time_s": breakdown_over(comm, tracer.take_totals()),
-                  **engine.metrics(), **dp.metrics()}
-        if after_step is not None:
-            record |= after_step()
-        if val is not None and (step % t.eval_interval == 0 or step == t.steps):
-            record["val_loss"], accuracy = evaluate(cfg, engine, val, topo.dp_comm)
-            val_losses.append(record["val_loss"])
-            if accuracy is not None:
-                record["val_accuracy"] = accuracy
-        if writer is not None:
-            writer.write(record)
-            if not quiet and (step % t.log_interval == 0 or step == 1 or "val_loss" in record):
-                writer.say(progress_line(record, t.steps))
-        saved = bool(t.save_interval) and (step % t.save_interval == 0 or step == t.steps)
-        if saved:
-            _save(cfg, topo, engine, dp, loader, step, sched, None if quiet else writer)
-        if preempt.agreed(comm) and step < t.steps:
-            if not saved:
-                _save(cfg, topo, engine, dp, loader, step, sched, writer)
-            if writer is not None:
-                writer.say(f"preempted ({preempt.signal_name() or 'signal on another rank'}) "
-                           f"after step {step}: checkpoint saved; resume with --resume auto")
-            preempted = True
-            break
+    preempted, step = False, first - 1
+    watch = watchdog.start(topo, loop.tracer, t.stall_timeout)  # each step and the gap after
+    try:
+        for step in range(first, t.steps + 1):
+            record = loop.step(step)
+            if val is not None and (step % t.eval_interval == 0 or step == t.steps):
+                loop.evaluate(step, val, record)
+            loop.report(record)
+            saved = bool(t.save_interval) and (step % t.save_interval == 0 or step == t.steps)
+            if saved:
+                saved = loop.save(step, record["loss"])
+            if preempt.agreed(comm) and step < t.steps:
+                loop.stop_preempted(step, saved)
+                preempted = True
+                break
+    finally:
+        watch.stop()
+    loop.wait_for_save()  # the last write lands first
+    if not preempted:
+        loop.retention.finished()
     seconds = time.perf_counter() - start
     loader.close()
     if trace_path is not None:
-        _write_trace(cfg, comm, topo, tracer, trace_path, None if quiet else writer)
+        _write_trace(cfg, comm, topo, loop.tracer, trace_path, None if quiet else writer)
     if writer is not None:
         if not quiet:
             ran = f"stopped after step {step} of {t.steps}" if preempted else f"{t.steps} steps"
             writer.say(f"done: {ran} in {seconds:.1f} s; metrics in {writer.path}")
         writer.close()
     topo.free()
-    return Summary(losses, val_losses, accuracy, seconds, preempted)
+    return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted)
+
+
+class _Loop:
+    """What the training loop keeps from step to step, and the four things it does
+    after a step's arithmetic: evaluate, report, save, stop on preemption. Each part
+    of a step lives in its own module: the non-finite ``guard``, the checkpoints'
+    ``retention`` and ``background`` writer, the ``tracer``; ``writer`` is rank 0's
+    metrics writer (None elsewhere)."""
+
+    def __init__(self, cfg: Config, comm, topo: Topology, engine, dp, loader, writer,
+                 quiet: bool, sched: dict, trace_path: str | None, after_step):
+        t = cfg.train
+        self.cfg, self.comm, self.topo, self.engine, self.dp = cfg, comm, topo, engine, dp
+        self.loader, self.writer, self.quiet, self.sched = loader, writer, quiet, sched
+        self.after_step = after_step
+        self.tokens_per_step = t.batch_size * _tokens_per_sample(cfg)
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.accuracy: float | None = None
+        self.guard = NonFiniteGuard(comm, t.max_skipped_steps)
+        self.retention = Retention(checkpoint_root(t.run_dir), t.keep_checkpoints,
+                                   writes=comm.Get_rank() == 0)
+        self.background = (BackgroundWriter(topo.ckpt_comm, overlap=True) if t.async_save
+                           else None)
+        self.tracer = trace.Tracer(keep_events=trace_path is not None)
+
+    @property
+    def say_to(self):
+        """Where rank 0's optional lines go: the writer, or nowhere when quiet."""
+        return None if self.quiet else self.writer
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One optimizer step, timed and traced; its metrics record (collective)."""
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        lr = schedule.lr_at(step - 1, **self.sched)
+        background = self.background
+        with trace.recording(self.tracer):
+            self.tracer.step = step
+            with trace.span("step", "other"):
+                with trace.span("data", "data"):
+                    x, y = self.loader.next_batch()
+                try:
+                    loss, norm = train_step(
+                        self.engine, self.dp, x, y, lr=lr, grad_clip=t.grad_clip,
+                        guard=self.guard, step=step,
+                        before_update=None if background is None else background.captured)
+                except DivergenceError as err:  # every rank: keep the healthy checkpoint
+                    self.wait_for_save()
+                    where = _healthy(self.retention.diverged())
+                    raise DivergenceError(f"{err}{where}") from None
+            self.tracer.step = None
+        if not self.guard.skipped_last:
+            self.retention.finite_step(loss)  # the last checkpoint led to a sane step
+        dt = time.perf_counter() - t0
+        self.losses.append(loss)
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                  "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                  "time_s": breakdown_over(self.comm, self.tracer.take_totals()),
+                  **self.engine.metrics(), **self.dp.metrics(), **self.guard.metrics()}
+        if self.after_step is not None:
+            record |= self.after_step()
+        return record
+
+    def evaluate(self, step: int, val, record: dict[str, Any]) -> None:
+        """The validation loss (and accuracy) into ``record`` (collective); at step 0
+        the record is written at once."""
+        record["val_loss"], self.accuracy = evaluate(self.cfg, self.engine, val,
+                                                     self.topo.dp_comm)
+        self.val_losses.append(record["val_loss"])
+        if self.accuracy is not None:
+            record["val_accuracy"] = self.accuracy
+        if step == 0 and self.writer is not None:
+            self.writer.write(record)
+            if not self.quiet:
+                self.writer.say(f"step 0/{self.cfg.train.steps} | val {record['val_loss']:.4f}")
+
+    def report(self, record: dict[str, Any]) -> None:
+        """Rank 0: the record into metrics.jsonl, and the progress line."""
+        if self.writer is None:
+            return
+        t, step = self.cfg.train, record["step"]
+        self.writer.write(record)
+        if self.guard.skipped_last and not self.quiet:
+            self.writer.say(f"skipped {self.guard.last_problem}: no update")
+        if not self.quiet and (step % t.log_interval == 0 or step == 1 or "val_loss" in record):
+            self.writer.say(progress_line(record, t.steps))
+
+    def save(self, step: int, loss: float, say=None) -> Path | None:
+        """A checkpoint after ``step`` (collective), pending until confirmed."""
+        saved = _save(self.cfg, self.topo, self.engine, self.dp, self.loader, step,
+                      self.sched, self.background, say if say is not None else self.say_to)
+        self.retention.saved(saved, loss)
+        return saved
+
+    def wait_for_save(self) -> bool:
+        return _wait_for_save(self.background, self.say_to)
+
+    def stop_preempted(self, step: int, saved) -> None:
+        """A signal asked the job to stop: save (if this step did not), let the write
+        land, say so (collective)."""
+        if not saved:
+            saved = self.save(step, self.losses[-1], say=self.writer)
+        saved = _wait_for_save(self.background, self.writer) and saved  # it lands first
+        if self.writer is not None:
+            what = "checkpoint saved" if saved else "no checkpoint (the state is not finite)"
+            self.writer.say(f"preempted ({preempt.signal_name() or 'signal on another rank'}) "
+                            f"after step {step}: {what}; resume with --resume auto")

@@ -167,10 +167,14 @@ def test_files_carry_format_and_version_and_load_bitwise(saved):
     with h5py.File(path / fmt.INDEX_NAME) as f:
         assert (f.attrs["format"], f.attrs["version"]) == (fmt.CHECKPOINT, fmt.VERSION)
         assert json.loads(f.attrs["config"]) == cfg.to_dict()
+    with Checkpoint(path) as ck:
+        (piece,) = ck.tensors["model/embed.wte.weight"].pieces
     with h5py.File(path / fmt.data_filename(0)) as f:
         assert (f.attrs["format"], f.attrs["version"]) == (fmt.DATA, fmt.VERSION)
-        dset = f["model/embed.wte.weight/0:32,0:16"]
-        assert list(dset.attrs["global_shape"]) == [32, 16]
+        flat = f[piece.dataset]  # every float64 piece, back to back
+        assert piece.dataset == "float64" and list(f) == ["float64"]
+        np.testing.assert_array_equal(flat[piece.at:piece.at + 32 * 16].reshape(32, 16),
+                                      held["model/embed.wte.weight"])
     fresh = Serial(cfg)
     resumed = fresh.load(path.parent)  # the checkpoints folder: its latest
     assert resumed.step == 2 and fresh.dp.optimizer.t == 2 and same(fresh.held(), held)
@@ -186,6 +190,7 @@ def test_keep_prunes_old_checkpoints_and_interrupted_saves(tmp_path):
         run.save(step)
     (root / "step-000009.tmp").mkdir()  # a save that was killed
     run.save(3)
+    writer.wait_for_pruning()  # old checkpoints are deleted by a background thread
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002", "step-000003"]
 
 
@@ -204,10 +209,13 @@ def test_random_generator_states_round_trip_as_json(tmp_path):
         restore_rng({"other": h}, rng_states({"g": g}))
 
 
-def flip_byte_of(path: Path, dataset: str, at: int = 3) -> None:
-    """Corrupt one byte inside a dataset's data (contiguous storage)."""
+def flip_byte_of(folder: Path, tensor: str, at: int = 3) -> None:
+    """Corrupt one byte inside the first stored piece of a tensor."""
+    with Checkpoint(folder) as ck:
+        entry = ck.tensors[tensor]
+    piece, path = entry.pieces[0], folder / entry.pieces[0].file
     with h5py.File(path) as f:
-        offset = f[dataset].id.get_offset()
+        offset = f[piece.dataset].id.get_offset() + piece.at * np.dtype(entry.dtype).itemsize
     with path.open("r+b") as fh:
         fh.seek(offset + at)
         byte = fh.read(1)
@@ -218,11 +226,11 @@ def flip_byte_of(path: Path, dataset: str, at: int = 3) -> None:
 def test_one_corrupt_byte_names_the_file_and_the_tensor(saved):
     cfg, path, _ = saved
     data = path / fmt.data_filename(0)
-    flip_byte_of(data, "optim/v/blocks.1.mlp.fc.weight/0:16,0:64")
+    flip_byte_of(path, "optim/v/blocks.1.mlp.fc.weight")
     _, problems = verify(path)
     assert len(problems) == 1
     assert str(data) in problems[0] and "optim/v/blocks.1.mlp.fc.weight" in problems[0]
-    assert "sha256 mismatch" in problems[0]
+    assert "checksum mismatch (blocksum64" in problems[0]
     with pytest.raises(CheckpointError, match=r"rank-00000.h5: tensor optim/v/blocks.1.mlp"):
         Serial(cfg).load(path)
     result = CliRunner().invoke(main, ["ckpt", "verify", str(path)])
@@ -300,12 +308,13 @@ def test_the_parallel_hdf5_layout_reads_the_same(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(writer.h5py, "File",
                         lambda *a, driver=None, comm=None, **kw: real(*a, **kw))
     items = held_tensors(run.engine, run.dp, 0, 1)
-    info = writer._describe(items)[1]
+    info = writer._describe(writer.held_key(items, 0))[1]
     root = tmp_path / "shared"
     tmp = writer.prepare(root, 2)
-    mine = {(h.name, seg.box) for h in items for seg in segments(h.sharding)}
-    pieces = writer._write_shared(tmp / fmt.SHARED_NAME, items, mine, info, 2, MPI.COMM_SELF,
-                                  None)
+    todo = tuple((h.name, seg) for h in items for seg in segments(h.sharding))
+    pieces, bad = writer._write_shared(tmp / fmt.SHARED_NAME, {h.name: h.array for h in items},
+                                       todo, info, 2, MPI.COMM_SELF, None, finite=True)
+    assert bad == []
     entries = writer._index_entries([pieces], [info])
     index = fmt.read_index(saved[1] / fmt.INDEX_NAME)
     writer.commit(root, tmp, 2, index.meta, [fmt.SHARED_NAME], entries, keep=1)
@@ -468,11 +477,11 @@ def test_resume_from_a_corrupt_checkpoint_names_the_file_and_tensor(config_file,
     folder = run_dir / "checkpoints" / "step-000003"
     with Checkpoint(folder) as ck:
         piece = ck.tensors["model/blocks.0.attn.proj.weight"].pieces[0]
-    flip_byte_of(folder / piece.file, piece.dataset)
+    flip_byte_of(folder, "model/blocks.0.attn.proj.weight")
     result, _ = train_cli(config_file, 2, run_dir, "--resume", "auto")
     assert result.returncode == 2
     assert piece.file in result.stderr and "model/blocks.0.attn.proj.weight" in result.stderr
-    assert "sha256 mismatch" in result.stderr and "Traceback" not in result.stderr
+    assert "checksum mismatch" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_full_box_of_a_scalar_is_empty():

@@ -1,8 +1,9 @@
 """Checkpoints: sharded HDF5, atomic, checksummed, loadable at any parallel layout.
 
-``format`` names the files and the index, ``reshard`` holds the slice maths (which
-box of each global tensor a rank holds), ``state`` what a rank holds of the
-training state, ``writer`` and ``reader`` the two directions, ``consolidate`` the
+``format`` names the files, the index and the checksums, ``reshard`` holds the
+slice maths (which box of each global tensor a rank holds), ``state`` what a rank
+holds of the training state, ``writer`` and ``reader`` the two directions
+(``background`` writes from a thread while training goes on), ``consolidate`` the
 single-file form, ``training`` the calls ``hpctrain.train`` makes.
 """
 

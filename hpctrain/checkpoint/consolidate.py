@@ -7,21 +7,32 @@ like any checkpoint.
 
 ``expand(src, dst, files=n)`` writes a checkpoint folder again (``dst/step-N/`` and
 ``dst/latest``): each tensor cut along its first axis into up to ``n`` pieces spread
-over ``n`` data files, so that a large checkpoint is read in parallel. Both are
-serial and go through the reader, so every piece is checked on the way.
+over ``n`` data files (the flat layout of ``format``: the layout of every file is made
+first, from the index, then each tensor is read once and its pieces written straight
+to their offsets), so that a large checkpoint is read in parallel. Both are serial
+and go through the reader, so every piece is checked on the way.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
-from hpctrain.checkpoint.format import SELF, Piece, TensorEntry, data_filename, write_index
+from hpctrain.checkpoint.format import (
+    SELF,
+    Piece,
+    TensorEntry,
+    blocksum64,
+    data_filename,
+    flat_name,
+    write_index,
+)
 from hpctrain.checkpoint.reader import Checkpoint
-from hpctrain.checkpoint.reshard import full_box
-from hpctrain.checkpoint.writer import commit, data_file, prepare, write_piece
-from hpctrain.data.format import atomic_h5, fsync_path, sha256_array
+from hpctrain.checkpoint.reshard import box_volume, full_box, slices
+from hpctrain.checkpoint.writer import allocate_flat, commit, flat_layout, prepare, pwrite_all
+from hpctrain.data.format import atomic_h5
 
 
 def consolidate(src: str | Path, dst: str | Path, *, force: bool = False) -> Path:
@@ -33,7 +44,8 @@ def consolidate(src: str | Path, dst: str | Path, *, force: bool = False) -> Pat
             full = ckpt.read_full(entry.name)
             dataset = f"data/{entry.name}"
             f.create_dataset(dataset, data=full)
-            piece = Piece(SELF, dataset, (0,) * full.ndim, full.shape, sha256_array(full))
+            # no offset: a copied or repacked single file must still load (through HDF5)
+            piece = Piece(SELF, dataset, (0,) * full.ndim, full.shape, blocksum64(full))
             entries.append(TensorEntry(entry.name, entry.dtype, entry.global_shape,
                                        entry.tp_split, entry.tp_blocks, (piece,)))
         write_index(f, step=ckpt.step, meta=ckpt.meta, files=[SELF], tensors=entries)
@@ -57,25 +69,37 @@ def expand(src: str | Path, dst: str | Path, *, files: int = 1) -> Path:
     root = Path(dst)
     with Checkpoint(src) as ckpt:
         tmp = prepare(root, ckpt.step)
-        handles = [data_file(tmp / data_filename(i), ckpt.step, i) for i in range(files)]
+        tensors = list(ckpt.tensors.values())
+        where: list[list[tuple[int, tuple]]] = []  # per tensor: (file, box) of its pieces
+        placed: list[list[tuple[str, int]]] = [[] for _ in range(files)]
+        for k, entry in enumerate(tensors):
+            boxes = row_boxes(entry.global_shape, files)
+            where.append([((k + j) % files, box) for j, box in enumerate(boxes)])
+            for i, box in where[-1]:
+                placed[i].append((np.dtype(entry.dtype).str, box_volume(box)))
+        layouts = [flat_layout(p) for p in placed]
+        names = [data_filename(i) for i in range(files) if placed[i]]
+        offsets = {i: allocate_flat(tmp / data_filename(i), ckpt.step, i, layouts[i][0])
+                   for i in range(files) if placed[i]}
+        fds = {i: os.open(tmp / data_filename(i), os.O_WRONLY) for i in offsets}
         try:
-            entries = []
-            for k, entry in enumerate(ckpt.tensors.values()):
+            entries, next_at = [], [iter(ats) for _, ats in layouts]
+            for entry, spots in zip(tensors, where, strict=True):
                 full = ckpt.read_full(entry.name)
                 pieces = []
-                for j, box in enumerate(row_boxes(entry.global_shape, files)):
-                    values = np.ascontiguousarray(full[tuple(slice(a, b) for a, b in box)])
-                    pieces.append(write_piece(handles[(k + j) % files], entry.name, box,
-                                              values, entry.global_shape))
+                for i, box in spots:
+                    values = np.ascontiguousarray(full[slices(box)])
+                    at = next(next_at[i])
+                    pwrite_all(fds[i], [values], offsets[i][values.dtype.str]
+                               + at * values.itemsize)
+                    pieces.append(Piece(data_filename(i), flat_name(values.dtype),
+                                        tuple(a for a, _ in box), tuple(b for _, b in box),
+                                        blocksum64(values), at=at))
                 entries.append(TensorEntry(entry.name, entry.dtype, entry.global_shape,
                                            entry.tp_split, entry.tp_blocks, tuple(pieces)))
+            for fd in fds.values():
+                os.fsync(fd)
         finally:
-            for h in handles:
-                h.close()
-        for i in range(files):
-            fsync_path(tmp / data_filename(i))
-        names = sorted({p.file for e in entries for p in e.pieces})
-        for i in range(files):  # a file that received no piece (more files than rows)
-            if data_filename(i) not in names:
-                (tmp / data_filename(i)).unlink()
+            for fd in fds.values():
+                os.close(fd)
         return commit(root, tmp, ckpt.step, ckpt.meta, names, entries, keep=1 << 30)

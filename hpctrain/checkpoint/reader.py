@@ -6,7 +6,22 @@ tensor is read, that every file it names exists and that the pieces of every ten
 tile its global shape exactly once. ``read_into(name, array, sharding)`` fills the
 part of a tensor a rank holds, whatever layout wrote it: for each of the rank's
 segments (``reshard.segments``) it reads the stored pieces that overlap it, each
-whole and once, checks the piece's shape, dtype and sha256, and copies the overlap.
+whole and once, checks the piece's shape, dtype and checksum (the algorithm the index
+names: ``format.blocksum64``, or sha256 in version 1), and copies the overlap. A piece
+whose place in the file is known (version 3: its flat dataset's offset, which HDF5
+gives once per file and dtype, plus its position; version 2: the offset the index
+records) is read with ``os.preadv`` straight into the live array when the layouts
+match, else into a new array: HDF5 only checks the file's format and, in version 3,
+the flat dataset's dtype and length; a piece read through HDF5 (version 1,
+consolidated and shared files, a repacked version 3 file) has its dataset's shape
+and dtype checked too.
+
+``read_held(held)`` loads a rank's whole state (what ``training.load_training``
+calls): the pieces that land whole in a contiguous part of a held array are sorted
+by file and offset, and every run of them that follows one another in a file is read
+by one ``preadv`` (about 8 MB at a time), its checksums taken by a second thread
+while the next run is read; the rest go through ``read_into``. On the benchmark GPT
+(231 pieces) this replaced 231 reads and checks in turn, about 10 ms of Python.
 
 Every failure is a ``CheckpointError`` naming the file and the tensor: a missing
 file or piece, a checksum mismatch, a shape or dtype that differs from the model's.
@@ -15,6 +30,9 @@ Nothing is ever zero-filled, and no HDF5 virtual dataset is involved.
 
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import h5py
@@ -30,6 +48,7 @@ from hpctrain.checkpoint.format import (
     Piece,
     TensorEntry,
     check_format,
+    checksum_of,
     read_index,
     resolve,
 )
@@ -45,7 +64,11 @@ from hpctrain.checkpoint.reshard import (
     slices,
     tiles,
 )
-from hpctrain.data.format import sha256_array
+from hpctrain.checkpoint.state import Held
+from hpctrain.checkpoint.writer import IOV_MAX, byte_views
+
+RUN_BYTES = 8 << 20  # read_held's reads: checksums of one overlap the reading of the next
+_segments = functools.lru_cache(maxsize=4096)(segments)  # pure, and asked at every load
 
 
 class Checkpoint:
@@ -54,6 +77,8 @@ class Checkpoint:
     def __init__(self, path: str | Path):
         self.index: Index = read_index(resolve(path))
         self._files: dict[str, h5py.File] = {}
+        self._fds: dict[str, int] = {}
+        self._flat: dict[tuple[str, str], tuple[int | None, int]] = {}
         self._check_files()
         for entry in self.index.tensors.values():
             problem = tiles([p.box for p in entry.pieces], entry.global_shape)
@@ -83,7 +108,9 @@ class Checkpoint:
         for f in self._files.values():
             if f.id.valid:
                 f.close()
-        self._files = {}
+        for fd in self._fds.values():
+            os.close(fd)
+        self._files, self._fds, self._flat = {}, {}, {}
 
     def _check_files(self) -> None:
         holds: dict[str, list[str]] = {}
@@ -112,6 +139,58 @@ class Checkpoint:
             self._files[name] = f
         return self._files[name]
 
+    def _fd(self, name: str, tensor: str) -> int:
+        """A raw descriptor of a data file, once HDF5 has checked its format."""
+        if name not in self._fds:
+            self._file(name, tensor)
+            fd = self._fds[name] = os.open(self.index.file_path(name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a longer readahead
+        return self._fds[name]
+
+    def _flat_offset(self, entry: TensorEntry, piece: Piece) -> int | None:
+        """Version 3: the byte offset of the piece in its file, after checking its flat
+        dataset's dtype and length (None: the dataset's storage is not one run of the
+        file, e.g. a repacked file: read it through HDF5)."""
+        key = (piece.file, piece.dataset)
+        if key not in self._flat:
+            f = self._file(piece.file, entry.name)
+            dset = f.get(piece.dataset)
+            if not isinstance(dset, h5py.Dataset) or dset.ndim != 1:
+                raise CheckpointError(f"{self.index.file_path(piece.file)}: has no flat "
+                                      f"dataset {piece.dataset}, needed for tensor "
+                                      f"{entry.name}; {REMEDY}")
+            self._flat[key] = (dset.id.get_offset(), dset.shape[0], dset.dtype)
+        offset, length, dtype = self._flat[key]
+        if dtype != entry.dtype or piece.at + box_volume(piece.box) > length:
+            where = f"{self.index.file_path(piece.file)}: tensor {entry.name}"
+            if dtype != entry.dtype:
+                raise CheckpointError(f"{where}: stored in {piece.dataset} ({dtype}), the "
+                                      f"index says {np.dtype(entry.dtype)}; {REMEDY}")
+            raise CheckpointError(f"{where}: piece {box_name(piece.box)} ends past the "
+                                  f"{length} elements of {piece.dataset}; {REMEDY}")
+        return None if offset is None else offset + piece.at * dtype.itemsize
+
+    def _raw_offset(self, entry: TensorEntry, piece: Piece) -> int | None:
+        """Where the piece's bytes start in its file, or None: read it through HDF5."""
+        return piece.offset if piece.at is None else self._flat_offset(entry, piece)
+
+    def _read_at(self, file: str, tensor: str, offset: int, outs: list[np.ndarray],
+                 where: str) -> None:
+        """Bytes from ``offset`` on, into the C-contiguous ``outs`` one after another."""
+        fd = self._fd(file, tensor)
+        views = byte_views(outs)
+        while views:
+            n = os.preadv(fd, views[:IOV_MAX], offset)
+            if n <= 0:
+                raise CheckpointError(f"{where}: the file ends inside the piece (it is "
+                                      f"truncated); {REMEDY}")
+            offset += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+
     def entry(self, name: str) -> TensorEntry:
         if name not in self.index.tensors:
             raise CheckpointError(f"{self.index.path}: has no tensor {name} "
@@ -120,13 +199,28 @@ class Checkpoint:
 
     def read_piece(self, entry: TensorEntry, piece: Piece,
                    out: np.ndarray | None = None) -> np.ndarray:
-        """One stored piece, whole, after checking its shape, dtype and sha256; read
+        """One stored piece, whole, after checking its shape, dtype and checksum; read
         straight into ``out`` (C-contiguous, the piece's shape) if given."""
         path = self.index.file_path(piece.file)
         where = f"{path}: tensor {entry.name}, piece {box_name(piece.box)}"
+        offset = self._raw_offset(entry, piece)
+        if offset is not None:  # a raw read: HDF5 only checked the file's format
+            data = np.empty(box_shape(piece.box), entry.dtype) if out is None else out
+            try:
+                self._read_at(piece.file, entry.name, offset, [data], where)
+            except OSError as err:
+                raise CheckpointError(f"{where}: cannot be read ({err}); {REMEDY}") from None
+            return self._checked(piece, data, where)
         f = self._file(piece.file, entry.name)
         try:
             dset = f[piece.dataset]
+            if piece.at is not None:  # version 3, its flat dataset not one run: HDF5
+                n = box_volume(piece.box)
+                data = dset[piece.at:piece.at + n].reshape(box_shape(piece.box))
+                if out is not None:
+                    out[...] = data
+                    data = out
+                return self._checked(piece, data, where)
             if dset.dtype != np.dtype(entry.dtype):
                 raise CheckpointError(f"{where}: dtype {dset.dtype}, the index says "
                                       f"{np.dtype(entry.dtype)}")
@@ -141,10 +235,18 @@ class Checkpoint:
                 data = dset[...] if whole else dset[slices(piece.box)]
         except (KeyError, OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{where}: cannot be read ({err}); {REMEDY}") from None
-        digest = sha256_array(data)
-        if digest != piece.sha256:
-            raise CheckpointError(f"{where}: sha256 mismatch (stored {piece.sha256[:12]}..., "
-                                  f"read {digest[:12]}...): the file is corrupt; {REMEDY}")
+        return self._checked(piece, data, where)
+
+    def _checked(self, piece: Piece, data: np.ndarray, where) -> np.ndarray:
+        """``data``, if its checksum is the piece's; ``where``: the text naming it in
+        the error, or a function giving it."""
+        algorithm = self.index.checksum
+        digest = checksum_of(algorithm, data)
+        if digest != piece.checksum:
+            where = where() if callable(where) else where
+            raise CheckpointError(f"{where}: checksum mismatch ({algorithm}: stored "
+                                  f"{piece.checksum[:12]}..., read {digest[:12]}...): the "
+                                  f"file is corrupt; {REMEDY}")
         return data
 
     def check_fits(self, name: str, sharding: Sharding, dtype, hint: str = "") -> TensorEntry:
@@ -192,6 +294,66 @@ class Checkpoint:
                 held = region(array, segs[s])  # a view of the segment's box
                 held[slices(common, segs[s].box)] = data[slices(common, piece.box)]
 
+    def read_held(self, held: list[Held], hint: str = "") -> None:
+        """Fill every held array with its part of its tensor (see the module docstring):
+        the pieces that land whole in a contiguous region are read in runs, one
+        ``preadv`` per run of pieces that follow one another in a file, and checked
+        by a second thread while the next run is read; the others by ``read_into``."""
+        direct = []  # (file, offset, entry, piece, target)
+        for h in held:
+            entry = self.check_fits(h.name, h.sharding, h.array.dtype, hint)
+            reads = self._direct_reads(entry, h)
+            if reads is None:
+                self.read_into(h.name, h.array, h.sharding, hint)
+            else:
+                direct += reads
+        direct.sort(key=lambda r: (r[0], r[1]))
+        runs: list[list] = []
+        for r in direct:
+            last = runs[-1][-1] if runs else None
+            if (last is not None and last[0] == r[0] and last[1] + last[4].nbytes == r[1]
+                    and sum(x[4].nbytes for x in runs[-1]) < RUN_BYTES):
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        with ThreadPoolExecutor(1) as pool:
+            checked = []
+            for run in runs:
+                file, offset, entry, piece, _ = run[0]
+                where = (f"{self.index.file_path(file)}: tensor {entry.name}, piece "
+                         f"{box_name(piece.box)}")
+                try:
+                    self._read_at(file, entry.name, offset, [r[4] for r in run], where)
+                except OSError as err:
+                    raise CheckpointError(f"{where}: cannot be read ({err}); "
+                                          f"{REMEDY}") from None
+                checked.append(pool.submit(self._check_run, run))
+            for c in checked:
+                c.result()
+
+    def _direct_reads(self, entry: TensorEntry, h: Held) -> list | None:
+        """``(file, offset, entry, piece, target)`` per segment of ``h``, if each is
+        exactly one stored piece read raw into a contiguous region; else None."""
+        if h.array.shape != h.sharding.shape:
+            return None  # read_into names the problem
+        by_start = {p.start: p for p in entry.pieces}
+        reads = []
+        for seg in _segments(h.sharding):
+            piece = by_start.get(tuple(a for a, _ in seg.box))
+            if piece is None or piece.box != seg.box:
+                return None
+            target = region(h.array, seg)
+            offset = self._raw_offset(entry, piece)
+            if offset is None or not target.flags.c_contiguous:
+                return None
+            reads.append((piece.file, offset, entry, piece, target))
+        return reads
+
+    def _check_run(self, run: list) -> None:
+        for file, _, entry, piece, target in run:
+            self._checked(piece, target, lambda f=file, e=entry, p=piece: (
+                f"{self.index.file_path(f)}: tensor {e.name}, piece {box_name(p.box)}"))
+
     def read_full(self, name: str) -> np.ndarray:
         """The whole global tensor ``name``."""
         entry = self.entry(name)
@@ -202,13 +364,25 @@ class Checkpoint:
 
 def verify(path: str | Path) -> tuple[Checkpoint, list[str]]:
     """Read every piece of every tensor; return the checkpoint and its problems (each
-    naming the file and the tensor). Opening errors are raised."""
+    naming the file and the tensor): unreadable or corrupt pieces, and tensors that
+    hold nan or inf. Opening errors are raised."""
     problems = []
     with Checkpoint(path) as ckpt:
         for entry in ckpt.tensors.values():
+            bad = {"nan": 0, "inf": 0}
             for piece in entry.pieces:
                 try:
-                    ckpt.read_piece(entry, piece)
+                    data = ckpt.read_piece(entry, piece)
                 except CheckpointError as err:
                     problems.append(str(err))
+                    continue
+                with np.errstate(over="ignore", invalid="ignore"):
+                    finite = data.dtype.kind != "f" or bool(np.isfinite(data.sum()))
+                if not finite:
+                    bad["nan"] += int(np.isnan(data).sum())
+                    bad["inf"] += int(np.isinf(data).sum())
+            if bad["nan"] or bad["inf"]:
+                size = int(np.prod(entry.global_shape))
+                problems.append(f"{ckpt.index.path}: tensor {entry.name} is not finite: "
+                                f"{bad['nan']} nan and {bad['inf']} inf of {size} values")
     return ckpt, problems

@@ -6,6 +6,12 @@ layout loads at any other: each rank reads the part of every global tensor its o
 layout gives it (``reshard``). ``load_training`` checks, on every rank, that each
 tensor of the model is in the checkpoint with the same global shape and dtype, and
 then, together, that the checkpoint holds nothing the model lacks.
+
+A state with nan or inf is never committed: ``save_training`` has the writer check
+every piece it writes in the same pass as its checksum, while the fsync runs (each
+value once, by the rank that writes it; a background save checks its snapshot in its
+thread), and ``NonFiniteState`` is raised on every rank, the unfinished folder
+removed (by the next ``save`` or ``wait`` of a background save).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from hpctrain.checkpoint.state import (
     schedule_of,
     set_optimizer_step,
 )
+from hpctrain.checkpoint.writer import NonFiniteState as NonFiniteState  # raised by save
+from hpctrain.checkpoint.writer import all_finite
 
 CHECKPOINTS = "checkpoints"  # the folder under the run folder
 
@@ -53,11 +61,26 @@ class Resumed:
     meta: dict
 
 
+def non_finite(held: list) -> list[str]:
+    """Names of the held floating-point arrays with a nan or inf (``writer.all_finite``;
+    the save checks the pieces it writes the same way)."""
+    return [h.name for h in held if not all_finite(h.array)]
+
+
 def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
                   loader_state: dict | None, schedule: dict | None = None,
                   generators: dict | None = None, root: str | Path | None = None,
-                  on_event=None) -> Path:
-    """Checkpoint the run after ``step`` optimizer steps (collective over the world)."""
+                  on_event=None, background: Any = None, say=print,
+                  keep: int | None = None) -> Path:
+    """Checkpoint the run after ``step`` optimizer steps (collective over the world).
+
+    ``background``: a ``background.BackgroundWriter``; the state is then copied and
+    written while training goes on, and the folder it will have is returned (its
+    errors, ``NonFiniteState`` included, are raised by the writer's next ``save`` or
+    ``wait``). A state with nan or inf raises ``NonFiniteState`` on every rank and
+    leaves no checkpoint (see the module docstring). ``say``: rank 0's
+    one-line notices (stale folders removed). ``keep``: the complete checkpoints
+    to keep, instead of the config's (``retention.NO_PRUNING``: prune nothing)."""
     comm = topo.world_comm
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
     t = optimizer_step(dp)
@@ -70,8 +93,10 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
             "rng": {"init_seed": cfg.train.seed, "generators": rng_states(generators or {})},
             "optimizer": {"kind": cfg.train.optimizer, "t": t}}
     root = checkpoint_root(cfg.train.run_dir) if root is None else Path(root)
-    return writer.save(root, step, held, meta, comm, stage=topo.pp_rank,
-                       keep=cfg.train.keep_checkpoints, on_event=on_event)
+    save = writer.save if background is None else background.save
+    return save(root, step, held, meta, comm, stage=topo.pp_rank,
+                keep=cfg.train.keep_checkpoints if keep is None else keep,
+                on_event=on_event, say=say, finite=True)
 
 
 def config_hint(saved: dict, cfg: Any) -> str:
@@ -91,8 +116,7 @@ def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
             raise CheckpointError(f"{ckpt.index.path}: holds {saved} state, the config "
                                   f"trains with {cfg.train.optimizer}")
         hint = config_hint(meta.get("config") or {}, cfg)
-        for h in held:
-            ckpt.read_into(h.name, h.array, h.sharding, hint)
+        ckpt.read_held(held, hint)
         set_optimizer_step(dp, meta["optimizer"]["t"])
         restore_rng(generators, meta["rng"]["generators"])
         if loader is not None:
@@ -103,11 +127,17 @@ def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
 
 
 def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *,
-                  loader: Any = None, generators: dict | None = None) -> Resumed:
+                  loader: Any = None, generators: dict | None = None,
+                  root: str | Path | None = None, say=print) -> Resumed:
     """Load a checkpoint into this rank's engine, optimizer and loader, whatever layout
-    saved it (collective over the world); every rank fails alike."""
+    saved it (collective over the world); every rank fails alike. Rank 0 first removes
+    the unfinished saves in the run's checkpoints folder (``root``, default
+    ``RUN_DIR/checkpoints``: where the run saves next), saying so through ``say``."""
     comm = topo.world_comm
     path = resolve(path)
+    root = checkpoint_root(cfg.train.run_dir) if root is None else Path(root)
+    writer.all_ranks(comm, lambda: writer.remove_stale(root, say) if comm.Get_rank() == 0
+                     else None, f"removing unfinished saves in {root}")
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
     step, meta, sched, stored = writer.all_ranks(
         comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}),

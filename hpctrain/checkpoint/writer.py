@@ -1,8 +1,10 @@
 """Writing a checkpoint: every piece once, into ``step-N.tmp/``, renamed when complete.
 
 ``save(root, step, held, meta, comm)`` is collective over ``comm`` (every rank of the
-job), in four phases, each ending in an ``allgather`` of the ranks' verdicts so an
-I/O error on one rank fails every rank alike:
+job): ``plan`` and then ``write_planned``, in four phases, each ending in an
+``allgather`` of the ranks' verdicts so an I/O error on one rank fails every rank
+alike (``background.BackgroundWriter`` runs the plan on the training thread and
+``write_planned`` from a thread of its own, over a communicator of its own):
 
 1. plan: every rank's pieces (``reshard.segments`` of what it holds) are gathered; a
    piece held by several ranks (data-parallel replicas, tensor-parallel replicated
@@ -10,21 +12,45 @@ I/O error on one rank fails every rank alike:
    the one with the fewest bytes so far, largest pieces first, so replicas share
    the writing. Pieces of a tensor come from the ranks of its first pipeline stage
    only (ZeRO slices of the tied table differ between stages).
-2. rank 0 removes interrupted saves (``step-*.tmp/``) and creates ``step-N.tmp/``;
+2. rank 0 removes interrupted saves (``step-*.tmp/``), saying so in one line, and
+   creates ``step-N.tmp/``;
 3. each rank writes its pieces to ``rank-RRRRR.h5`` (or, with parallel HDF5, its
-   boxes of the shared ``data.h5``) and fsyncs it;
+   boxes of the shared ``data.h5``) and fsyncs it. HDF5 only makes the structure:
+   one flat dataset per dtype (``format``), contiguous, its storage allocated at
+   once and never filled; the file is closed and the bytes go straight from the
+   arrays to their offsets (``os.pwritev``, the pieces of a dtype back to back),
+   which is a raw write. While the fsync waits for the disk, a second thread takes
+   the pieces' checksums and, with ``finite``, checks that every floating-point
+   piece is finite (a sum: nan and inf survive it). The phase ends in one
+   ``allgather`` of every rank's I/O error and non-finite tensors: any of the first
+   is a ``CheckpointError`` on every rank, any of the second a ``NonFiniteState``
+   on every rank, after rank 0 removed ``step-N.tmp/``. Only the pieces a rank
+   writes are checked, so each value of the checkpoint is checked once, by its
+   writer, off the critical path (a replica is never written).
+   Profiled on the benchmark GPT (131 MB, 231 pieces): version 1 spent 0.08 s in
+   sha256, 0.05 s in three attributes per dataset, 0.03 s making a group per tensor
+   through h5py and 0.07 s in HDF5's writes, against 0.08 s for the raw write;
+   version 2 still spent 8-12 ms creating 231 datasets, and 8 ms summing every held
+   array for the non-finite check before anything was written;
 4. rank 0 gathers the piece table, checks that every tensor is tiled exactly once,
-   writes ``index.h5``, fsyncs the folder, renames it ``step-N/``, fsyncs
+   writes ``index.h5``, fsyncs it and the folder, renames it ``step-N/``, fsyncs
    ``root``, points ``latest`` at it (atomic replace) and keeps the newest ``keep``.
 
 A job killed at any point leaves ``latest`` naming the previous complete checkpoint.
-``on_event(kind, path)``, if given, is called after each dataset ("dataset"), rank
-file ("file"), the index ("index"), the rename ("renamed") and the pointer ("latest").
+``on_event(kind, path)``, if given, is called after each flat dataset ("dataset"),
+rank file ("file"), the index ("index"), the rename ("renamed") and the pointer
+("latest").
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -39,20 +65,26 @@ from hpctrain.checkpoint.format import (
     CheckpointError,
     Piece,
     TensorEntry,
+    blocksum64,
     data_filename,
+    flat_name,
     step_dirname,
     step_of,
     write_index,
 )
-from hpctrain.checkpoint.reshard import box_name, box_volume, extract, segments, slices, tiles
-from hpctrain.checkpoint.state import Held
-from hpctrain.data.format import (
-    DataError,
-    atomic_output,
-    fsync_dir,
-    fsync_path,
-    sha256_array,
+from hpctrain.checkpoint.reshard import (
+    Segment,
+    box_volume,
+    extract,
+    region,
+    segments,
+    slices,
+    tiles,
 )
+from hpctrain.checkpoint.state import Held
+from hpctrain.data.format import DataError, atomic_output, fsync_dir, fsync_path
+
+IOV_MAX = 1024  # buffers per pwritev/preadv call (Linux)
 
 
 def parallel_hdf5() -> bool:
@@ -60,20 +92,48 @@ def parallel_hdf5() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def all_ranks(comm, fn, what: str):
-    """Run ``fn`` on every rank; if it fails with an I/O or checkpoint error on any
-    rank, raise CheckpointError on every rank, naming the ranks (collective)."""
+def all_ranks(comm, fn, what: str, catch: tuple = (OSError, DataError)):
+    """Run ``fn`` on every rank; if it fails with an I/O or checkpoint error (any of
+    ``catch``) on any rank, raise CheckpointError on every rank, naming the ranks
+    (collective)."""
     error, result = None, None
     try:
         result = fn()
-    except (OSError, DataError) as err:
-        error = str(err)
+    except catch as err:
+        error = str(err) or type(err).__name__
     errors = comm.allgather(error) if comm.Get_size() > 1 else [error]
     failed = [r for r, e in enumerate(errors) if e is not None]
     if failed:
         where = "" if comm.Get_size() == 1 else f" on rank(s) {failed}"
         raise CheckpointError(f"{what} failed{where}: {errors[failed[0]]}")
     return result
+
+
+class NonFiniteState(CheckpointError):
+    """The state to save holds nan or inf: no checkpoint is written (every rank)."""
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """Whether a floating-point array holds no nan or inf (other dtypes: True). A sum
+    is the fast test (any nan or inf makes it non-finite; memory speed); only a sum
+    that says so is confirmed element-wise, since finite values may overflow it."""
+    if a.dtype.kind not in "fc" or not a.size:
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
+
+
+def non_finite_error(step: int, everyone: list[list[str]]) -> NonFiniteState | None:
+    """The refusal naming the first rank's first non-finite tensor (``everyone[rank]``:
+    the names each rank found), or None if there are none."""
+    found = [(rank, names) for rank, names in enumerate(everyone) if names]
+    if not found:
+        return None
+    rank, names = found[0]
+    where = "" if len(everyone) == 1 else f" on rank {rank}"
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return NonFiniteState(f"the state after step {step} is not finite: {names[0]}{more}"
+                          f"{where} holds nan or inf; no checkpoint written")
 
 
 def plan_writers(everyone: list[tuple[int, list[tuple[str, tuple, int]]]]) -> list[set]:
@@ -99,85 +159,170 @@ def plan_writers(everyone: list[tuple[int, list[tuple[str, tuple, int]]]]) -> li
     return mine
 
 
-def _describe(held: list[Held]) -> tuple[list, dict]:
+Key = tuple  # (stage, ((tensor, dtype str, Sharding), ...)): what a rank holds
+
+
+def held_key(held: list[Held], stage: int) -> Key:
+    return stage, tuple((h.name, h.array.dtype.str, h.sharding) for h in held)
+
+
+def _describe(key: Key) -> tuple[list, dict]:
+    """``(stage, [(tensor, box, nbytes)])`` and ``{tensor: (dtype, global_shape,
+    tp_split, tp_blocks)}`` of what one rank holds."""
+    stage, held = key
     items, info = [], {}
-    for h in held:
-        sh = h.sharding
-        info[h.name] = (h.array.dtype.str, sh.global_shape, sh.tp_split, sh.tp_blocks)
+    for name, dtype, sh in held:
+        info[name] = (dtype, sh.global_shape, sh.tp_split, sh.tp_blocks)
+        itemsize = np.dtype(dtype).itemsize
         for seg in segments(sh):
-            items.append((h.name, seg.box, box_volume(seg.box) * h.array.itemsize))
-    return items, info
+            items.append((name, seg.box, box_volume(seg.box) * itemsize))
+    return (stage, items), info
 
 
-def write_piece(f: h5py.File, tensor: str, box, data: np.ndarray,
-                global_shape: tuple[int, ...]) -> Piece:
-    """Store the values ``data`` of ``box`` of a tensor as dataset ``/<tensor>/<box>``
-    with its ``start``, ``global_shape`` and ``sha256`` attributes."""
-    digest = sha256_array(data)
-    dataset = f"{tensor}/{box_name(box)}"
-    dset = f.create_dataset(dataset, data=data)
-    dset.attrs.update({"start": [a for a, _ in box], "global_shape": list(global_shape),
-                       "sha256": digest})
-    return Piece(Path(f.filename).name, dataset, tuple(a for a, _ in box),
-                 tuple(b for _, b in box), digest)
+def flat_layout(pieces: list[tuple[str, int]]) -> tuple[dict[str, int], list[int]]:
+    """Where pieces ``(dtype str, elements)`` go in a data file: back to back in the
+    flat dataset of their dtype. Returns ``{dtype: elements}`` and each one's ``at``."""
+    sizes: dict[str, int] = {}
+    ats = []
+    for dtype, n in pieces:
+        ats.append(sizes.get(dtype, 0))
+        sizes[dtype] = ats[-1] + n
+    return sizes, ats
 
 
-def data_file(path: Path, step: int, rank: int) -> h5py.File:
-    """A new data file (refusing to overwrite) with its format attributes."""
-    f = h5py.File(path, "w-")
-    f.attrs.update({"format": DATA, "version": VERSION, "step": step, "rank": rank})
-    return f
+def allocate_flat(path: Path, step: int, rank: int, sizes: dict[str, int],
+                  on_event=None) -> dict[str, int]:
+    """Create the data file ``path`` (refusing to overwrite) with its format
+    attributes and one flat dataset per dtype of ``sizes[dtype]`` elements, contiguous,
+    its storage allocated at once and never filled; return each one's byte offset
+    (its bytes are written afterwards, straight to the file)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    offsets = {}
+    with h5py.File(path, "w-") as f:
+        f.attrs.update({"format": DATA, "version": VERSION, "step": step, "rank": rank})
+        for dtype, n in sizes.items():
+            name = flat_name(dtype)
+            dset = h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)),
+                                   h5py.h5s.create_simple((n,)), dcpl=dcpl)
+            offsets[dtype] = dset.get_offset()
+            if offsets[dtype] is None:  # contiguous and allocated early: only if empty
+                if n:
+                    raise CheckpointError(f"{path}: HDF5 gave dataset {name} no storage")
+                offsets[dtype] = 0
+            if on_event:
+                on_event("dataset", path)
+    return offsets
 
 
-def _write_rank_file(path: Path, held: list[Held], mine: set, step: int, rank: int,
-                     on_event) -> list[tuple[str, Piece]]:
-    """This rank's pieces as datasets ``/<tensor>/<box>``; fsync'ed; the piece table."""
-    pieces = []
-    with data_file(path, step, rank) as f:
-        for h in held:
-            for seg in segments(h.sharding):
-                if (h.name, seg.box) in mine:
-                    data = extract(h.array, seg)
-                    pieces.append((h.name, write_piece(f, h.name, seg.box, data,
-                                                       h.sharding.global_shape)))
-                    if on_event:
-                        on_event("dataset", path)
-    fsync_path(path)  # h5py never fsyncs: reopen and fsync
+def byte_views(arrays: list[np.ndarray]) -> list[memoryview]:
+    """Flat byte views of C-contiguous arrays (empty ones left out)."""
+    return [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
+
+
+def pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
+    """Write the arrays' bytes one after another from ``offset`` (whole, however the
+    kernel splits the calls)."""
+    views = byte_views(arrays)
+    k = 0
+    while k < len(views):
+        n = os.pwritev(fd, views[k:k + IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset}")
+        offset += n
+        while k < len(views) and n >= views[k].nbytes:
+            n -= views[k].nbytes
+            k += 1
+        if n:
+            views[k] = views[k][n:]
+
+
+def checks(datas: list[np.ndarray], finite: bool) -> tuple[list[str], list[int]]:
+    """Each array's blocksum64, and (``finite``) the positions of the non-finite ones."""
+    return ([blocksum64(d) for d in datas],
+            [k for k, d in enumerate(datas) if finite and not all_finite(d)])
+
+
+def _write_rank_file(path: Path, arrays: dict[str, np.ndarray], todo: tuple, step: int,
+                     rank: int, on_event, finite: bool) -> tuple[list, list[str]]:
+    """This rank's pieces in the flat datasets of a data file: the structure through
+    HDF5, the bytes straight to their offsets, fsync'ed; returns the piece table and
+    (``finite``) the tensors with a non-finite piece. The checksums and the finite
+    check run in a second thread while the fsync waits for the disk."""
+    items = [(name, seg.box, region(arrays[name], seg)) for name, seg in todo]
+    datas = [v if v.flags.c_contiguous else np.ascontiguousarray(v) for _, _, v in items]
+    sizes, ats = flat_layout([(d.dtype.str, d.size) for d in datas])
+    offsets = allocate_flat(path, step, rank, sizes, on_event)
+    fd = os.open(path, os.O_WRONLY)  # HDF5 wrote its metadata, we write the raw bytes
+    try:
+        for dtype, offset in offsets.items():
+            pwrite_all(fd, [d for d in datas if d.dtype.str == dtype], offset)
+        with ThreadPoolExecutor(1) as pool:
+            checked = pool.submit(checks, datas, finite)
+            os.fsync(fd)  # the file's data and HDF5's metadata
+            sums, bad = checked.result()
+    finally:
+        os.close(fd)
     if on_event:
         on_event("file", path)
-    return pieces
+    pieces = [(name, Piece(path.name, flat_name(d.dtype), tuple(a for a, _ in box),
+                           tuple(b for _, b in box), digest, at=at))
+              for (name, box, _), d, digest, at in zip(items, datas, sums, ats, strict=True)]
+    return pieces, _names([items[k][0] for k in bad])
 
 
-def _write_shared(path: Path, held: list[Held], mine: set, info: dict, step: int, comm,
-                  on_event) -> list[tuple[str, Piece]]:
+def _names(names: list[str]) -> list[str]:
+    return list(dict.fromkeys(names))  # unique, in order
+
+
+def _write_shared(path: Path, arrays: dict[str, np.ndarray], todo: tuple, info: dict,
+                  step: int, comm, on_event, finite: bool = False) -> tuple[list, list[str]]:
     """Parallel HDF5: one file, each tensor a dataset of its global shape, created by
     every rank in the same order (collective); each rank writes its boxes."""
-    pieces = []
+    pieces, bad = [], []
     with h5py.File(path, "w-", driver="mpio", comm=comm) as f:
         f.attrs.update({"format": DATA, "version": VERSION, "step": step, "rank": -1})
         for name, (dtype, shape, _, _) in info.items():
             f.create_dataset(name, shape=shape, dtype=np.dtype(dtype))
-        for h in held:
-            for seg in segments(h.sharding):
-                if (h.name, seg.box) in mine:
-                    data = extract(h.array, seg)
-                    f[h.name][slices(seg.box)] = data
-                    pieces.append((h.name, Piece(path.name, h.name,
-                                                 tuple(a for a, _ in seg.box),
-                                                 tuple(b for _, b in seg.box),
-                                                 sha256_array(data))))
+        for name, seg in todo:
+            data = extract(arrays[name], seg)
+            f[name][slices(seg.box)] = data
+            pieces.append((name, Piece(path.name, name, tuple(a for a, _ in seg.box),
+                                       tuple(b for _, b in seg.box), blocksum64(data))))
+            if finite and not all_finite(data):
+                bad.append(name)
     if comm.Get_rank() == 0:
         fsync_path(path)
     if on_event:
         on_event("file", path)
-    return pieces
+    return pieces, _names(bad)
 
 
-def prepare(root: Path, step: int) -> Path:
-    """Rank 0: drop interrupted saves, create and return ``step-N.tmp/``."""
+def remove_stale(root: Path, say=print) -> list[str]:
+    """Remove the folders interrupted saves left (``step-*.tmp``), saying so in one
+    line through ``say`` (None: silently), and finish deletions that ``prune``
+    started and the end of a process cut short (not those this process is deleting:
+    an unlink of 131 MB took 0.02 s, on the critical path of every save before); the
+    names of the first."""
+    for p in root.glob(f"step-*{PRUNED}"):
+        if p not in _doomed:
+            shutil.rmtree(p, ignore_errors=True)
+    stale = sorted(p for p in root.glob("step-*.tmp") if p.is_dir())
+    for p in stale:
+        shutil.rmtree(p)
+    names = [p.name for p in stale]
+    if names and say is not None:
+        say(f"removed {len(names)} unfinished checkpoint folder(s) an interrupted save left "
+            f"in {root}: {', '.join(names)}")
+    return names
+
+
+def prepare(root: Path, step: int, say=print) -> Path:
+    """Rank 0: drop interrupted saves (``remove_stale``), create and return
+    ``step-N.tmp/``."""
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("step-*.tmp"):
-        shutil.rmtree(stale)
+    remove_stale(root, say)
     tmp = root / f"{step_dirname(step)}.tmp"
     tmp.mkdir()
     return tmp
@@ -205,10 +350,12 @@ def _index_entries(gathered: list[list[tuple[str, Piece]]], infos: list[dict]
 
 def commit(root: Path, tmp: Path, step: int, meta: dict, files: list[str],
            entries: list[TensorEntry], keep: int, on_event=None) -> Path:
-    """Rank 0: the index, fsync, rename to ``step-N/``, the ``latest`` pointer, pruning."""
+    """Rank 0: the index, fsync, rename to ``step-N/``, the ``latest`` pointer, pruning.
+    The data files were fsync'ed by their writers."""
     with h5py.File(tmp / INDEX_NAME, "w-") as f:
         write_index(f, step=step, meta=meta, files=files, tensors=entries)
-    fsync_path(tmp)  # every file in the folder, and the folder
+    fsync_path(tmp / INDEX_NAME)
+    fsync_dir(tmp)
     if on_event:
         on_event("index", tmp / INDEX_NAME)
     final = root / step_dirname(step)
@@ -230,57 +377,148 @@ def commit(root: Path, tmp: Path, step: int, meta: dict, files: list[str],
     return final
 
 
+PRUNED = ".pruned"  # the suffix of a checkpoint folder being deleted
+_deleting: list[threading.Thread] = []  # this process's deletions still running
+_doomed: set[Path] = set()  # the folders they have yet to delete
+
+
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints (never ``latest``'s)."""
+    """Delete all but the newest ``keep`` complete checkpoints (never ``latest``'s).
+
+    Each is renamed ``step-N.pruned`` at once and deleted by a background thread:
+    unlinking the 131 MB of the benchmark GPT's checkpoint took 0.024 s, a quarter of
+    a save, that the next step need not wait for. A deletion cut short by the end of
+    the process is finished by the next ``prune`` or ``remove_stale``."""
     latest = (root / LATEST_NAME).read_text().strip() if (root / LATEST_NAME).is_file() else ""
     done = sorted((p for p in root.iterdir() if step_of(p) is not None and
                    (p / INDEX_NAME).is_file()), key=step_of)
     removed = [p for p in done[:max(0, len(done) - keep)] if p.name != latest]
+    doomed = [p for p in root.glob(f"step-*{PRUNED}")  # cut short before
+              if p.is_dir() and p not in _doomed]
     for p in removed:
-        shutil.rmtree(p)
+        doomed.append(p.rename(p.with_name(p.name + PRUNED)))
+    _doomed.update(doomed)
+    if doomed:
+        thread = threading.Thread(target=_delete, args=(doomed,), name="hpctrain-prune",
+                                  daemon=True)
+        _deleting.append(thread)
+        thread.start()
     return removed
 
 
+def _delete(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)  # another process may be at it too
+        _doomed.discard(p)
+
+
+def wait_for_pruning() -> None:
+    """Wait until the deletions ``prune`` started have finished."""
+    while _deleting:
+        _deleting.pop().join()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who writes what: ``mine``, this rank's ``(tensor, box)`` pieces; ``infos``, every
+    rank's ``{tensor: (dtype, global_shape, tp_split, tp_blocks)}``; ``todo``, this
+    rank's pieces in writing order, ``(tensor, Segment)``."""
+
+    mine: frozenset
+    infos: list[dict]
+    todo: tuple[tuple[str, Segment], ...] = ()
+
+
+def plan(held: list[Held], comm, stage: int = 0) -> Plan:
+    """Phase 1 (see above): which pieces this rank writes. Collective over ``comm``:
+    one allgather of what each rank holds (names, dtypes, shardings); the plan of the
+    same holdings is computed once and kept."""
+    key = held_key(held, stage)
+    keys = tuple(comm.allgather(key)) if comm.Get_size() > 1 else (key,)
+    return _plan_of(keys, comm.Get_rank())
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_of(keys: tuple[Key, ...], rank: int) -> Plan:
+    described = [_describe(k) for k in keys]
+    mine = frozenset(plan_writers([items for items, _ in described])[rank])
+    todo = tuple((name, seg) for name, _, sh in keys[rank][1] for seg in segments(sh)
+                 if (name, seg.box) in mine)
+    return Plan(mine, [info for _, info in described], todo)
+
+
 def save(root: str | Path, step: int, held: list[Held], meta: dict, comm, *, stage: int = 0,
-         keep: int = 3, on_event=None) -> Path:
+         keep: int = 3, on_event=None, say=print, finite: bool = False) -> Path:
     """Write the checkpoint of ``step`` under ``root``; return its folder (see above).
 
     ``held``: this rank's arrays (``state.held_tensors``); ``meta``: the JSON metadata
     of ``format.META_KEYS``, the same on every rank; ``stage``: this rank's pipeline
-    stage. Collective over ``comm``.
+    stage; ``say``: rank 0's one-line notices (stale folders removed); ``finite``:
+    refuse (``NonFiniteState``, every rank) a state with nan or inf. Collective over
+    ``comm``.
     """
     if keep < 1:
         raise ValueError(f"keep ({keep}) must be at least 1")
+    return write_planned(root, step, held, plan(held, comm, stage), meta, comm, keep=keep,
+                         on_event=on_event, say=say, finite=finite)
+
+
+def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, meta: dict,
+                  comm, *, keep: int = 3, on_event=None, say=print,
+                  catch: tuple = (OSError, DataError), finite: bool = False,
+                  capture: Callable[[], list[Held]] | None = None) -> Path:
+    """Phases 2 to 4 of a save planned by ``plan`` (over a communicator of the same
+    ranks as ``comm``); ``catch``: the errors turned into a CheckpointError on every
+    rank; ``finite``: refuse a non-finite state (``NonFiniteState`` on every rank,
+    ``step-N.tmp`` removed); ``capture``: called first (its errors reported with
+    phase 2's) to give the arrays to write instead of ``held``. Collective over
+    ``comm``."""
     root, rank, size = Path(root), comm.Get_rank(), comm.Get_size()
     tmp = root / f"{step_dirname(step)}.tmp"
-    items, info = _describe(held)
-    everyone = comm.allgather((stage, items)) if size > 1 else [(stage, items)]
-    infos = comm.allgather(info) if size > 1 else [info]
-    mine = plan_writers(everyone)[rank]
-    all_ranks(comm, lambda: prepare(root, step) if rank == 0 else None, f"preparing {tmp}")
-    pieces = all_ranks(comm, lambda: _write(tmp, held, mine, infos, step, comm, on_event),
-                       f"writing {tmp}")
+    arrays = {}
+
+    def start():
+        arrays.update((h.name, h.array) for h in (capture() if capture else held))
+        return prepare(root, step, say) if rank == 0 else None
+
+    all_ranks(comm, start, f"preparing {tmp}", catch)
+    error, (pieces, bad) = None, ([], [])
+    try:
+        pieces, bad = _write(tmp, arrays, planned, step, comm, on_event, finite)
+    except catch as err:
+        error = str(err) or type(err).__name__
+    verdicts = comm.allgather((error, bad)) if size > 1 else [(error, bad)]
+    failed = [r for r, (e, _) in enumerate(verdicts) if e is not None]
+    if failed:
+        where = "" if size == 1 else f" on rank(s) {failed}"
+        raise CheckpointError(f"writing {tmp} failed{where}: {verdicts[failed[0]][0]}")
+    refusal = non_finite_error(step, [names for _, names in verdicts])
+    if refusal is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise refusal
     gathered = comm.gather(pieces, root=0) if size > 1 else [pieces]
 
     def finish():
         if rank != 0:
             return None
-        entries = _index_entries(gathered, infos)
+        entries = _index_entries(gathered, planned.infos)
         files = sorted({p.file for e in entries for p in e.pieces})
         return commit(root, tmp, step, meta, files, entries, keep, on_event)
 
-    final = all_ranks(comm, finish, f"committing {tmp}")
+    final = all_ranks(comm, finish, f"committing {tmp}", catch)
     return comm.bcast(final, root=0) if size > 1 else final
 
 
-def _write(tmp: Path, held: list[Held], mine: set, infos: list[dict], step: int, comm,
-           on_event) -> list[tuple[str, Piece]]:
-    """This rank's pieces: into the shared file with parallel HDF5, else its own file
-    (none if it writes nothing)."""
+def _write(tmp: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int, comm,
+           on_event, finite: bool) -> tuple[list, list[str]]:
+    """This rank's pieces and non-finite tensors: into the shared file with parallel
+    HDF5, else its own file (none if it writes nothing)."""
     if parallel_hdf5() and comm.Get_size() > 1:
-        merged = {k: v for info in infos for k, v in info.items()}
-        return _write_shared(tmp / SHARED_NAME, held, mine, merged, step, comm, on_event)
-    if not mine:
-        return []
-    return _write_rank_file(tmp / data_filename(comm.Get_rank()), held, mine, step,
-                            comm.Get_rank(), on_event)
+        merged = {k: v for info in planned.infos for k, v in info.items()}
+        return _write_shared(tmp / SHARED_NAME, arrays, planned.todo, merged, step, comm,
+                             on_event, finite)
+    if not planned.todo:
+        return [], []
+    return _write_rank_file(tmp / data_filename(comm.Get_rank()), arrays, planned.todo,
+                            step, comm.Get_rank(), on_event, finite)

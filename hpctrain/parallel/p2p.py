@@ -64,29 +64,33 @@ class P2P:
         """Chunk ``k``'s output activation to chunk ``k + 1`` (nothing on the last chunk)."""
         if k == self.n_chunks - 1:
             return
-        with trace.span("send_forward", "pp_wait", mb=mb, chunk=k):
-            self._send(y, self._rank_of(k + 1), self._tag(mb, k + 1, FORWARD))
+        peer = self._rank_of(k + 1)
+        with trace.span("send_forward", "pp_wait", mb=mb, chunk=k, peer=peer):
+            self._send(y, peer, self._tag(mb, k + 1, FORWARD))
 
     def recv_forward(self, shape: tuple[int, ...], k: int, mb: int) -> np.ndarray | None:
         """Chunk ``k``'s input activation from chunk ``k - 1`` (None on the first chunk)."""
         if k == 0:
             return None
-        with trace.span("recv_forward", "pp_wait", mb=mb, chunk=k):
-            return self._recv(shape, self._rank_of(k - 1), self._tag(mb, k, FORWARD))
+        peer = self._rank_of(k - 1)
+        with trace.span("recv_forward", "pp_wait", mb=mb, chunk=k, peer=peer):
+            return self._recv(shape, peer, self._tag(mb, k, FORWARD))
 
     def send_backward(self, dx: np.ndarray, k: int, mb: int) -> None:
         """The gradient of chunk ``k``'s input to chunk ``k - 1`` (nothing on the first)."""
         if k == 0:
             return
-        with trace.span("send_backward", "pp_wait", mb=mb, chunk=k):
-            self._send(dx, self._rank_of(k - 1), self._tag(mb, k - 1, BACKWARD))
+        peer = self._rank_of(k - 1)
+        with trace.span("send_backward", "pp_wait", mb=mb, chunk=k, peer=peer):
+            self._send(dx, peer, self._tag(mb, k - 1, BACKWARD))
 
     def recv_backward(self, shape: tuple[int, ...], k: int, mb: int) -> np.ndarray | None:
         """The gradient of chunk ``k``'s output from chunk ``k + 1`` (None on the last)."""
         if k == self.n_chunks - 1:
             return None
-        with trace.span("recv_backward", "pp_wait", mb=mb, chunk=k):
-            return self._recv(shape, self._rank_of(k + 1), self._tag(mb, k, BACKWARD))
+        peer = self._rank_of(k + 1)
+        with trace.span("recv_backward", "pp_wait", mb=mb, chunk=k, peer=peer):
+            return self._recv(shape, peer, self._tag(mb, k, BACKWARD))
 
     # ---- buffers and requests -----------------------------------------------------
 

@@ -354,7 +354,7 @@ class PipelineEngine:
         other = self.pp_size - 1 - self.pp_rank
         for p in self.tied:
             theirs = np.empty_like(p.grad)
-            with trace.span("tied_grads", "pp_wait", bytes=theirs.nbytes):
+            with trace.span("tied_grads", "pp_wait", bytes=theirs.nbytes, peer=other):
                 self.pp_comm.Sendrecv(p.grad, dest=other, recvbuf=theirs, source=other)
             p.grad += theirs  # a + b on one rank, b + a on the other: the same bits
 
@@ -364,7 +364,8 @@ class PipelineEngine:
         if self.model_comm.Get_size() > 1:
             from mpi4py import MPI
 
-            self.model_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            with trace.span("grad_norm", "optimizer", comm="model_comm"):
+                self.model_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return math.sqrt(buf[0])
 
     def metrics(self) -> dict[str, float]:

@@ -143,7 +143,10 @@ class Topology:
     hierarchical reduction's last phase, a broadcast or a scatter, ordered apart from
     its reduces); ``dp_leader_comm``: the first of them on every node, by dp rank
     (``MPI.COMM_NULL`` on the other ranks). ``dp_nodes``: the dp ranks of this data
-    group by node, in ``dp_leader_comm``'s order (``group_by_node``).
+    group by node, in ``dp_leader_comm``'s order (``group_by_node``). ``ckpt_comm``: a
+    duplicate of the world for the checkpoint writer's background thread, whose
+    collectives must never meet the training's (``checkpoint.background``).
+    ``watch_comm``: another duplicate, for the stall watchdog's thread (``watchdog``).
     """
 
     shape: GridShape
@@ -159,6 +162,8 @@ class Topology:
     dp_leader_comm: Any
     nodes: NodeLayout
     dp_nodes: tuple[tuple[int, ...], ...]
+    ckpt_comm: Any = None
+    watch_comm: Any = None
 
     @classmethod
     def build(cls, comm: Any, parallel: Any, node_key: int | None = None) -> Topology:
@@ -189,7 +194,8 @@ class Topology:
         dp_leader_comm = dp_comm.Split(color=0 if leader else MPI.UNDEFINED, key=c.dp)
         dp_nodes = group_by_node(dp_comm.allgather(node_id))
         return cls(shape, rank, comm, tp_comm, dp_comm, pp_comm, model_comm, node_comm,
-                   dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes, dp_nodes)
+                   dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes, dp_nodes,
+                   comm.Dup(), watch_comm=comm.Dup())
 
     @property
     def coords(self) -> Coords:
@@ -243,8 +249,8 @@ class Topology:
 
         for comm in (self.tp_comm, self.dp_comm, self.pp_comm, self.model_comm,
                      self.node_comm, self.dp_node_comm, self.dp_node_bcast_comm,
-                     self.dp_leader_comm):
-            if comm != MPI.COMM_NULL:
+                     self.dp_leader_comm, self.ckpt_comm, self.watch_comm):
+            if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
 
 

@@ -209,7 +209,8 @@ class ZeroDataParallel:
         if self.world_comm.Get_size() > 1:
             from mpi4py import MPI
 
-            self.world_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            with trace.span("grad_norm", "optimizer", comm="world_comm"):
+                self.world_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return math.sqrt(buf[0])
 
     def clip(self, max_norm: float, norm: float) -> float:

@@ -1,0 +1,281 @@
+"""The fast checkpoint path keeps its guarantees: the blocksum64 checksum against a
+plain-Python reference and against every flipped byte, format version 3 (one flat
+dataset per dtype, each piece at a recorded position, the checksum named in the
+index) readable by plain h5py, version 2 (a dataset per piece at a recorded offset)
+and version 1 (sha256) checkpoints still loading, an unknown version refused by name,
+and unfinished saves removed with a line saying so, at the next save and at resume."""
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_training,
+    save_training,
+    verify,
+    writer,
+)
+from hpctrain.checkpoint import format as fmt
+from hpctrain.checkpoint.reshard import box_name
+from hpctrain.checkpoint.state import held_tensors
+from hpctrain.checkpoint.training import NonFiniteState
+from hpctrain.config import Config, ModelConfig, TrainConfig
+from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.topology import Topology
+from hpctrain.train import make_data_parallel
+
+MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, dtype="float64")
+
+
+def reference_blocksum64(a: np.ndarray) -> str:
+    """The definition, word by word in Python integers."""
+    data = np.ascontiguousarray(a).tobytes()
+    data += bytes(-len(data) % 8)
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+    total = sum(words) % 2**64
+    weighted = sum((i // 512 + 1) * w for i, w in enumerate(words)) % 2**64
+    return f"{total:016x}{weighted:016x}"
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 4095, 4096, 4096 * 3 + 13, 50_000])
+def test_blocksum64_is_its_definition(nbytes):
+    a = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert fmt.blocksum64(a) == reference_blocksum64(a)
+    f = np.random.default_rng(1).standard_normal((nbytes // 8 + 1, 3)).astype(np.float32)
+    assert fmt.blocksum64(f) == reference_blocksum64(f)
+    assert fmt.blocksum64(f.T) == reference_blocksum64(f.T)  # C order of the values
+
+
+def test_blocksum64_catches_every_flipped_byte_and_a_swapped_block():
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 21, dtype=np.uint8)
+    good = fmt.blocksum64(data)
+    flips = np.random.default_rng(1).integers(1, 256, data.size, dtype=np.uint8)
+    for i in range(data.size):  # every position, each with some nonzero xor
+        bad = data.copy()
+        bad[i] ^= flips[i]
+        assert fmt.blocksum64(bad) != good, i
+    swapped = data.copy()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
+    assert fmt.blocksum64(swapped) != good  # the same words, in other blocks
+
+
+def serial(tmp_path, **train):
+    cfg = Config(model=MODEL, train=TrainConfig(batch_size=4, run_dir=str(tmp_path / "run"),
+                                                **train)).validate(1)
+    topo = Topology.build(MPI.COMM_SELF, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    rng = np.random.default_rng(0)
+    for h in held_tensors(engine, dp, 0, 1):  # optimizer state too, not zeros
+        h.array[...] = rng.standard_normal(h.array.shape)
+    return cfg, topo, engine, dp
+
+
+def held_copy(engine, dp) -> dict[str, np.ndarray]:
+    return {h.name: h.array.copy() for h in held_tensors(engine, dp, 0, 1)}
+
+
+def test_version_3_is_one_flat_dataset_per_dtype_and_plain_hdf5(tmp_path):
+    cfg, topo, engine, dp = serial(tmp_path)
+    want = held_copy(engine, dp)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    with h5py.File(path / fmt.INDEX_NAME) as f:
+        assert f.attrs["version"] == 3 and f.attrs["checksum"] == "blocksum64"
+    with Checkpoint(path) as ck:
+        entries = list(ck.tensors.values())
+    assert all(p.at is not None and p.dataset == "float64" for e in entries for p in e.pieces)
+    with h5py.File(path / fmt.data_filename(0)) as f:  # any HDF5 reader sees the values
+        assert list(f) == ["float64"]  # one dataset, whatever the number of tensors
+        flat = f["float64"]
+        assert flat.shape == (sum(a.size for a in want.values()),) and flat.chunks is None
+        for e in entries:
+            (piece,) = e.pieces
+            n = int(np.prod(e.global_shape))
+            np.testing.assert_array_equal(flat[piece.at:piece.at + n].reshape(e.global_shape),
+                                          want[e.name])
+            assert fmt.blocksum64(want[e.name]) == piece.checksum
+
+
+def piece_offset(path: Path, tensor: str) -> tuple[Path, int, int]:
+    """The file, byte offset and byte length of a tensor's only piece (version 3)."""
+    with Checkpoint(path) as ck:
+        entry = ck.tensors[tensor]
+    (piece,) = entry.pieces
+    with h5py.File(path / piece.file) as f:
+        base = f[piece.dataset].id.get_offset()
+    itemsize = np.dtype(entry.dtype).itemsize
+    return (path / piece.file, base + piece.at * itemsize,
+            int(np.prod(entry.global_shape)) * itemsize)
+
+
+def test_a_flipped_last_byte_is_caught_by_the_raw_read(tmp_path):
+    cfg, topo, engine, dp = serial(tmp_path)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    file, offset, nbytes = piece_offset(path, "model/blocks.0.attn.qkv.weight")
+    with open(file, "r+b") as fh:  # the piece's last byte: the padded tail
+        fh.seek(offset + nbytes - 1)
+        byte = fh.read(1)
+        fh.seek(offset + nbytes - 1)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    _, problems = verify(path)
+    assert len(problems) == 1 and "checksum mismatch (blocksum64" in problems[0]
+    assert "model/blocks.0.attn.qkv.weight" in problems[0]
+    with pytest.raises(CheckpointError, match="rank-00000.h5: tensor model/blocks.0.attn.qkv"):
+        load_training(path, cfg, topo, engine, dp)
+
+
+def as_old_version(path: Path, version: int) -> None:
+    """Rewrite a serial version 3 checkpoint as an older version wrote it: a dataset
+    ``/<tensor>/<box>`` per piece; version 2 with blocksum64 checksums and each
+    dataset's file offset as the sixth field, version 1 with sha256 checksums, no
+    offsets and no ``checksum`` attribute."""
+    index = fmt.read_index(path / fmt.INDEX_NAME)
+    with Checkpoint(path) as ck:
+        values = {e.name: ck.read_full(e.name) for e in index.tensors.values()}
+    data = path / fmt.data_filename(0)
+    data.unlink()
+    entries, algorithm = [], "sha256" if version == 1 else "blocksum64"
+    with h5py.File(data, "w-") as f:
+        f.attrs.update({"format": fmt.DATA, "version": version, "step": index.step,
+                        "rank": 0})
+        for e in index.tensors.values():
+            (piece,) = e.pieces
+            name = f"{e.name}/{box_name(piece.box)}"
+            dset = f.create_dataset(name, data=values[e.name])
+            offset = dset.id.get_offset() if version == 2 else None
+            old = fmt.Piece(data.name, name, piece.start, piece.stop,
+                            fmt.checksum_of(algorithm, values[e.name]), offset)
+            entries.append(fmt.TensorEntry(e.name, e.dtype, e.global_shape, e.tp_split,
+                                           e.tp_blocks, (old,)))
+    (path / fmt.INDEX_NAME).unlink()
+    with h5py.File(path / fmt.INDEX_NAME, "w-") as f:
+        fmt.write_index(f, step=index.step, meta=index.meta, files=index.files,
+                        tensors=entries)
+        f.attrs["version"] = version
+        if version == 1:
+            del f.attrs["checksum"]
+        text = f["tensors"][...].tobytes()
+    # what the writer stores as the sixth field is version 3's ``at``: put the offset
+    with h5py.File(path / fmt.INDEX_NAME, "r+") as f:
+        table = json.loads(text)
+        for t, e in zip(table, entries, strict=True):
+            t["pieces"] = [[*row[:5], e.pieces[0].offset] for row in t["pieces"]]
+        del f["tensors"]
+        raw = np.frombuffer(json.dumps(table).encode(), np.uint8)
+        f.create_dataset("tensors", data=raw).attrs["sha256"] = fmt.sha256_array(raw)
+
+
+def _old_version_loads_and_is_checked(tmp_path, version: int):
+    """Save, rewrite as ``version``, load into a zeroed engine, then flip a value:
+    the checkpoint as the reader of ``version`` sees it."""
+    cfg, topo, engine, dp = serial(tmp_path)
+    want = held_copy(engine, dp)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state={"step": 1})
+    as_old_version(path, version)
+    _, _, engine2, dp2 = serial(tmp_path / "fresh")
+    for h in held_tensors(engine2, dp2, 0, 1):
+        h.array[...] = 0
+    assert load_training(path, cfg, topo, engine2, dp2).step == 1
+    got = held_copy(engine2, dp2)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    with h5py.File(path / fmt.data_filename(0), "r+") as f:
+        f["model/head.lm_head.weight/0:16,0:32"][0, 0] += 1.0
+    return path, verify(path)
+
+
+def test_a_version_2_checkpoint_still_loads_raw_and_is_checked(tmp_path):
+    path, (_, problems) = _old_version_loads_and_is_checked(tmp_path, 2)
+    with Checkpoint(path) as ck:
+        assert all(p.offset is not None and p.at is None for e in ck.tensors.values()
+                   for p in e.pieces)
+    assert len(problems) == 1 and "checksum mismatch (blocksum64" in problems[0]
+
+
+def test_an_unknown_version_is_refused_by_name(tmp_path):
+    cfg, topo, engine, dp = serial(tmp_path)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    with h5py.File(path / fmt.INDEX_NAME, "r+") as f:
+        f.attrs["version"] = 4
+    with pytest.raises(CheckpointError, match=r"hpctrain.checkpoint version 4 is not "
+                                              r"supported \(this hpctrain reads versions "
+                                              r"1, 2, 3\)"):
+        Checkpoint(path)
+
+
+def test_a_version_1_sha256_checkpoint_still_loads_and_is_checked(tmp_path):
+    _, (ck, problems) = _old_version_loads_and_is_checked(tmp_path, 1)
+    assert ck.index.checksum == "sha256"
+    assert len(problems) == 1 and "checksum mismatch (sha256" in problems[0]
+
+
+def test_an_unknown_checksum_algorithm_is_refused_by_name(tmp_path):
+    cfg, topo, engine, dp = serial(tmp_path)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    with h5py.File(path / fmt.INDEX_NAME, "r+") as f:
+        f.attrs["checksum"] = "crc64"
+    with pytest.raises(CheckpointError, match=r"'crc64' checksums, which this hpctrain "
+                                              r"cannot check \(it knows blocksum64, sha256\)"):
+        Checkpoint(path)
+
+
+def test_unfinished_saves_are_removed_at_the_next_save_and_at_resume_saying_so(tmp_path,
+                                                                               capsys):
+    cfg, topo, engine, dp = serial(tmp_path, keep_checkpoints=5)
+    root = Path(cfg.train.run_dir) / "checkpoints"
+    save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    (root / "step-000002.tmp").mkdir()  # a save that ran out of disk, or was killed
+    (root / "step-000002.tmp" / "rank-00000.h5").write_bytes(b"half")
+    capsys.readouterr()
+    path = save_training(cfg, topo, engine, dp, step=3, loader_state=None)
+    out = capsys.readouterr().out
+    assert "removed 1 unfinished checkpoint folder(s)" in out and "step-000002.tmp" in out
+    assert not (root / "step-000002.tmp").exists()
+
+    (root / "step-000004.tmp").mkdir()  # killed again; this time the run resumes
+    lines = []
+    load_training(path, cfg, topo, engine, dp, say=lines.append)
+    assert len(lines) == 1 and "step-000004.tmp" in lines[0]
+    assert not (root / "step-000004.tmp").exists()
+    load_training(path, cfg, topo, engine, dp, say=lines.append)
+    assert len(lines) == 1  # nothing stale: nothing said
+    writer.wait_for_pruning()
+
+
+def test_a_load_reads_the_pieces_of_a_file_in_one_preadv(tmp_path, monkeypatch):
+    cfg, topo, engine, dp = serial(tmp_path)
+    want = held_copy(engine, dp)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: calls.append(len(views))
+                        or real(fd, views, offset))
+    _, _, engine2, dp2 = serial(tmp_path / "fresh")
+    load_training(path, cfg, topo, engine2, dp2)
+    with Checkpoint(path) as ck:
+        pieces = sum(len(e.pieces) for e in ck.tensors.values())
+    assert calls == [pieces]  # every piece lies next to the last one: one read of all
+    got = held_copy(engine2, dp2)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_the_finite_check_runs_in_the_write_and_leaves_nothing(tmp_path):
+    cfg, topo, engine, dp = serial(tmp_path)
+    root = Path(cfg.train.run_dir) / "checkpoints"
+    save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    m = next(h for h in held_tensors(engine, dp, 0, 1) if h.name.startswith("optim/v/"))
+    m.array.reshape(-1)[-1] = np.inf  # the optimizer state, the last value of a tensor
+    events = []
+    with pytest.raises(NonFiniteState, match=rf"after step 2 is not finite: {m.name} holds "
+                                             r"nan or inf; no checkpoint written"):
+        save_training(cfg, topo, engine, dp, step=2, loader_state=None,
+                      on_event=lambda kind, _: events.append(kind))
+    assert "file" in events  # checked beside the write, not before it
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
+    assert (root / fmt.LATEST_NAME).read_text().strip() == "step-000001"

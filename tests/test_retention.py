@@ -1,0 +1,76 @@
+"""Which checkpoints a run keeps: pruning waits for confirmation, a loss spike or a
+divergence never costs the last healthy checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.checkpoint.format import INDEX_NAME, LATEST_NAME, step_dirname, step_of
+from hpctrain.checkpoint.retention import Retention
+from hpctrain.checkpoint.writer import wait_for_pruning
+
+
+def checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    """A step folder as the writer leaves it (the index last), and ``latest`` to it."""
+    folder = root / step_dirname(step)
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / INDEX_NAME).write_bytes(b"")
+        (root / LATEST_NAME).write_text(folder.name + "\n")
+    return folder
+
+
+def steps(root: Path) -> list[int]:
+    wait_for_pruning()
+    return sorted(step_of(p) for p in root.iterdir() if step_of(p) is not None)
+
+
+def test_older_checkpoints_go_only_once_a_newer_one_is_confirmed(tmp_path):
+    r = Retention(tmp_path, keep=1, writes=True)
+    for s in (2, 4):
+        r.saved(checkpoint(tmp_path, s), loss=3.0)
+    assert steps(tmp_path) == [2, 4]  # step 4 pending: nothing pruned yet
+    r.finite_step(2.9)
+    assert steps(tmp_path) == [4] and r.confirmed == tmp_path / "step-000004"
+
+
+def test_a_loss_spike_or_a_background_write_in_flight_withholds_confirmation(tmp_path):
+    r = Retention(tmp_path, keep=1, writes=True)
+    r.saved(checkpoint(tmp_path, 2), loss=3.0)
+    r.finite_step(3.1)
+    r.saved(checkpoint(tmp_path, 4), loss=3.0)
+    r.finite_step(31.0)  # more than 10x: the state of step 4 made the loss explode
+    assert steps(tmp_path) == [2, 4] and r.confirmed == tmp_path / "step-000002"
+    r.saved(checkpoint(tmp_path, 6, complete=False), loss=1e12)
+    r.finite_step(1e12)  # not complete yet: judged at a later step
+    assert r.pending == tmp_path / "step-000006" and steps(tmp_path) == [2, 4, 6]
+    # near 0 a rise of up to 1 is no spike
+    r2 = Retention(tmp_path / "b", keep=1, writes=True)
+    r2.saved(checkpoint(tmp_path / "b", 1), loss=0.01)
+    r2.finite_step(0.9)
+    assert r2.confirmed == tmp_path / "b" / "step-000001"
+
+
+def test_divergence_points_latest_back_at_the_confirmed_checkpoint(tmp_path):
+    r = Retention(tmp_path, keep=1, writes=True)
+    r.saved(checkpoint(tmp_path, 2), loss=3.0)
+    r.finite_step(3.0)
+    r.saved(checkpoint(tmp_path, 4), loss=4e11)
+    assert (tmp_path / LATEST_NAME).read_text().strip() == "step-000004"
+    assert r.diverged() == tmp_path / "step-000002"
+    assert (tmp_path / LATEST_NAME).read_text().strip() == "step-000002"
+    assert steps(tmp_path) == [2, 4]  # the unconfirmed one stays, for inspection
+    assert Retention(tmp_path / "none", keep=1, writes=True).diverged() is None
+
+
+def test_only_the_writing_rank_touches_the_folder_and_keep_is_checked(tmp_path):
+    r = Retention(tmp_path, keep=1, writes=False)
+    for s in (1, 2, 3):
+        r.saved(checkpoint(tmp_path, s), loss=1.0)
+        r.finite_step(1.0)
+    r.finished()
+    assert steps(tmp_path) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"keep \(0\) must be at least 1"):
+        Retention(tmp_path, keep=0, writes=True)

@@ -1,0 +1,116 @@
+"""Stalled jobs under ``mpiexec``: one rank sleeps inside a step (``watchdog_job.py``,
+a real ``time.sleep`` inside ``hpctrain.train.train``, nothing of MPI replaced); the
+job must end within the stall timeout plus 10 s with a non-zero status, and rank 0's
+message must name the sleeping rank and the operation the others wait in. Without the
+watchdog these jobs sleep until the subprocess timeout: a failure, not a hang.
+
+Serial suite: each test launches its own ``mpiexec`` (never from inside an MPI test)."""
+
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain.testing import run_mpi, tiny_corpus_config
+
+CONFIG = textwrap.dedent("""
+    [model]
+    dtype = "float64"
+    seq_len = 16
+    n_layer = 2
+    n_head = 2
+    d_model = 32
+
+    [train]
+    steps = 5
+    batch_size = 8
+    eval_interval = {eval_interval}
+    eval_batches = 1
+
+    [data]
+    path = "{{data}}"
+""")
+JOB = Path(__file__).with_name("watchdog_job.py")
+SLEEP = 90.0  # seconds the stalled rank sleeps: longer than any test waits
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """(no evaluation, evaluation after every step)."""
+    folder = tmp_path_factory.mktemp("watchdog")
+    line = "to be, or not to be, that is the question."
+    plain = tiny_corpus_config(folder, CONFIG.format(eval_interval=0), line, 400)
+    evaluated = plain.with_name("eval.toml")
+    evaluated.write_text(plain.read_text().replace("eval_interval = 0", "eval_interval = 1"))
+    return plain, evaluated
+
+
+def stall(config, run_dir, ranks, *, timeout, rank, at, where, sleep=SLEEP, layout=()):
+    """Run the job; returns (returncode, stderr, seconds from the sleep to the end)."""
+    args = [sys.executable, str(JOB), str(config), str(run_dir), "--stall-timeout",
+            str(timeout), "--rank", str(rank), "--at", str(at), "--sleep", str(sleep),
+            "--where", where, *layout]
+    result = run_mpi(ranks, args, timeout=60)
+    ended = time.time()
+    slept = re.search(r"sleeping at ([0-9.]+)", result.stderr)
+    assert slept, result.stderr
+    return result.returncode, result.stderr, ended - float(slept.group(1))
+
+
+@pytest.mark.parametrize("layout, where, stalled, lines", [
+    (("--dp", "4"), "data", 2, [
+        "ranks 0, 1, 3 wait in dp_wait (gradient reduction over the data group) for rank 2",
+        "rank 2 has not arrived: it is in data (step 3), not in a communication, at "
+        "watchdog_job.py"]),
+    (("--dp", "2", "--tp", "2"), "forward", 2, [
+        "ranks 0, 1 wait in dp_wait (gradient reduction over the data group) for ranks 2, 3",
+        "rank 3 waits in all_reduce (all-reduce over the tensor group) during F (mb 0, "
+        "chunk 0) for rank 2",
+        "rank 2 has not arrived: it is in F (mb 0, chunk 0) (step 3), not in a "
+        "communication"]),
+    (("--dp", "2", "--pp", "2"), "forward", 3, [
+        "ranks 0, 2 wait in dp_wait (gradient reduction over the data group) for ranks 1, 3",
+        "rank 1 waits in recv_backward (receive of a gradient over the pipeline group) "
+        "for rank 3",
+        "rank 3 has not arrived: it is in F (mb 0, chunk 1) (step 3), not in a "
+        "communication"]),
+], ids=["dp4-data", "dp2tp2-forward", "dp2pp2-forward"])
+def test_a_rank_sleeping_in_a_step_of_4_is_named_and_the_job_ends(configs, tmp_path, layout,
+                                                                    where, stalled, lines):
+    timeout = 3.0
+    code, err, seconds = stall(configs[0], tmp_path / "run", 4, timeout=timeout,
+                               rank=stalled, at=3, where=where, layout=layout)
+    assert code != 0, err
+    assert seconds <= timeout + 10, (seconds, err)
+    assert "stall: step 3 has not completed after" in err, err
+    for line in lines:
+        assert f"  {line}" in err, err
+    assert re.search(rf"^  rank {stalled} \(.*\): step 3, ", err, re.M), err  # its own line
+
+
+def test_rank_0_sleeping_after_a_step_is_found_by_its_own_watchdog(configs, tmp_path):
+    # between steps no span is open: the ranks are told apart by their Python frames
+    code, err, seconds = stall(configs[1], tmp_path / "run", 4, timeout=2.0, rank=0, at=2,
+                               where="eval")
+    assert code != 0 and seconds <= 2.0 + 10, (seconds, err)
+    assert "stall: the work after step 2 (metrics, evaluation" in err, err
+    assert "  ranks 1, 2, 3 are after step 2, at hpctrain/train.py" in err, err
+    assert "in mean_over" in err and "  rank 0 has not arrived: it is after step 2, not in " \
+        "a traced communication, at watchdog_job.py" in err, err
+
+
+def test_a_slow_step_under_the_timeout_completes(configs, tmp_path):
+    code, err, _ = stall(configs[0], tmp_path / "run", 2, timeout=4.0, rank=1, at=2,
+                         where="data", sleep=1.5)
+    assert code == 0, err
+    assert "stall" not in err.replace("--stall-timeout", ""), err
+
+
+def test_timeout_0_disables_the_watchdog(configs, tmp_path):
+    code, err, seconds = stall(configs[0], tmp_path / "run", 2, timeout=0, rank=1, at=2,
+                               where="data", sleep=4.0)
+    assert code == 0 and seconds >= 4.0, err  # a 1 s timeout, the least, would have fired
+    assert "stall:" not in err, err
