@@ -7,8 +7,9 @@ GEMM peak each rank measures in the same run, and where the step time goes.
 The benchmark GPT: 6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256,
 global batch 8 sequences (2,048 tokens a step), float32, AdamW.
 
-Model FLOPs of a step (``model_flops``) count the matrix products the model defines,
-forward ``2 m n k`` per product, backward twice the forward:
+Model FLOPs of a step (``model_flops``) are what the model declares
+(``Model.model_flops``, ``hpctrain.models.protocol``): the matrix products it defines,
+forward ``2 m n k`` per product, backward twice the forward. For the GPT:
 
     per token and layer, forward:  2 (3 C^2 + C^2 + 2 C F)    qkv, proj, fc, fc-proj
                                    + 2 (2 T C)                 S = q k^T and P v
@@ -67,11 +68,11 @@ GEMM_N = 2048  # the peak's square matrices: large enough for BLAS to reach its 
 
 
 def model_flops(m: ModelConfig, sequences: int) -> float:
-    """FLOPs of one training step (forward + backward) over ``sequences`` of m.seq_len."""
-    C, F, T, V = m.d_model, m.ffn_dim, m.seq_len, m.vocab_size
-    per_token_layer = 2 * (3 * C * C + C * C + 2 * C * F) + 2 * (2 * T * C)
-    forward = sequences * T * (m.n_layer * per_token_layer + 2 * C * V)
-    return 3.0 * forward
+    """FLOPs of one training step (forward + backward) over ``sequences`` samples (of
+    m.seq_len tokens for the GPT), as the registered model of ``m.kind`` declares."""
+    from hpctrain.models.registry import model_class
+
+    return model_class(m.kind).model_flops(m, sequences)
 
 
 class GemmProbe:

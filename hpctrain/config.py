@@ -20,7 +20,6 @@ from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DTYPES = ("float32", "float64")
-MODEL_KINDS = ("gpt", "mlp")
 OPTIMIZERS = ("adamw", "sgd")
 BALANCE = ("layers", "params")
 DP_REDUCE = ("flat", "hierarchical")
@@ -30,9 +29,14 @@ class ConfigError(ValueError):
     """A configuration value breaks a rule; the message names the values and the rule."""
 
 
+# the [model] keys every model reads; the others belong to the model of `kind`, which
+# lists them (`config_keys`, hpctrain.models.protocol)
+COMMON_MODEL_KEYS = ("kind", "dtype", "init_std")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gpt"  # "gpt" or "mlp"
+    kind: str = "gpt"  # a registered model (hpctrain.models.registry): "gpt" or "mlp"
     dtype: str = "float32"  # "float32" or "float64" (gradient checks, equivalence tests)
     init_std: float = 0.02
     # GPT
@@ -188,35 +192,40 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
 
 
 def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
+    """The generic rules, then the model's own (``check_config`` of its class), then
+    whether it declares what tp > 1 and pp > 1 need (a tensor plan, pipeline pieces)."""
+    from hpctrain.models.registry import model_class  # the models import this module
+
     _require(par.tp >= 1, f"tp ({par.tp}) must be at least 1")
     _require(par.pp >= 1, f"pp ({par.pp}) must be at least 1")
-    _require_choice("model kind", m.kind, MODEL_KINDS)
+    cls = model_class(m.kind)
+    _check_model_keys(m, cls.config_keys, cls.name)
     _require_choice("dtype", m.dtype, DTYPES)
     _require(m.init_std > 0, f"init_std ({m.init_std}) must be positive")
-    if m.kind == "mlp":
-        _require(par.tp == 1 and par.pp == 1,
-                 f"the MLP classifier supports data parallelism only "
-                 f"(tp is {par.tp}, pp is {par.pp})")
-        _require(m.input_dim >= 1 and m.n_classes >= 2,
-                 f"input_dim ({m.input_dim}) must be >= 1 and n_classes ({m.n_classes}) >= 2")
-        _require(all(h >= 1 for h in m.hidden), f"hidden sizes ({list(m.hidden)}) must be positive")
-        return
-    for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
-        value = getattr(m, name)
-        _require(value >= 1, f"{name} ({value}) must be at least 1")
-    _require(m.d_model % m.n_head == 0,
-             f"n_head ({m.n_head}) must divide d_model ({m.d_model})")
-    _require(m.n_head % par.tp == 0, f"tp ({par.tp}) must divide n_head ({m.n_head})")
-    _require(m.ffn_dim % par.tp == 0, f"tp ({par.tp}) must divide the MLP width d_ff ({m.ffn_dim})")
-    _require(m.vocab_size % par.tp == 0,
-             f"tp ({par.tp}) must divide vocab_size ({m.vocab_size})")
-    if par.sequence_parallel:
-        _require(m.seq_len % par.tp == 0,
-                 f"sequence parallelism needs tp ({par.tp}) to divide seq_len ({m.seq_len})")
-    chunks = par.pp * par.virtual_stages
-    _require(chunks <= m.n_layer,
-             f"pp * virtual_stages ({par.pp} * {par.virtual_stages} = {chunks}) must not "
-             f"exceed n_layer ({m.n_layer}): every model chunk needs a layer")
+    has_plan = cls.tensor_plan(par.sequence_parallel) is not None
+    costs = cls.piece_costs(m)
+    _require(par.tp == par.pp == 1 or has_plan or costs is not None,
+             f"the {cls.name} supports data parallelism only (tp is {par.tp}, pp is {par.pp})")
+    _require(par.tp == 1 or has_plan,
+             f"the {cls.name} declares no tensor-parallel plan: tp ({par.tp}) must be 1")
+    _require(par.pp == 1 or costs is not None,
+             f"the {cls.name} declares no pipeline pieces: pp ({par.pp}) must be 1")
+    cls.check_config(m, par)
+    if par.pp > 1:
+        chunks = par.pp * par.virtual_stages
+        _require(chunks <= len(costs.middle),
+                 f"pp * virtual_stages ({par.pp} * {par.virtual_stages} = {chunks}) must not "
+                 f"exceed the {len(costs.middle)} middle pipeline pieces of the {cls.name}")
+
+
+def _check_model_keys(m: ModelConfig, known: tuple[str, ...], name: str) -> None:
+    """A [model] key set away from its default that the model of ``m.kind`` does not
+    read is an error naming the keys it reads (so a typo'd kind is not silently a GPT)."""
+    default = ModelConfig()
+    foreign = [f.name for f in fields(m) if f.name not in COMMON_MODEL_KEYS + known
+               and getattr(m, f.name) != getattr(default, f.name)]
+    _require(not foreign, f"[model] key(s) {foreign} are not read by model kind {m.kind!r} "
+                          f"(the {name}); its keys: {sorted(COMMON_MODEL_KEYS + known)}")
 
 
 def _check_train(t: TrainConfig, par: ParallelConfig) -> None:

@@ -29,6 +29,7 @@ from hpctrain.data import eval_batches, open_loader
 from hpctrain.data.contents import check_fits, read_contents
 from hpctrain.guard import DivergenceError, NonFiniteGuard
 from hpctrain.metrics import MetricsWriter, progress_line
+from hpctrain.models.registry import model_class
 from hpctrain.nn import threads as nn_threads
 from hpctrain.optim import schedule
 from hpctrain.optim.optimizers import SGD, AdamW
@@ -128,33 +129,39 @@ def mean_over(comm, value: float) -> float:
         return comm.allreduce(float(value)) / comm.Get_size()
 
 
-def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, float | None]:
-    """Mean validation loss (and accuracy for a classifier) over fixed batches."""
-    losses, correct, seen = [], 0, 0
+def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, dict[str, float]]:
+    """Mean validation loss over fixed batches, and the model's own figures
+    (``Model.eval_metrics``, e.g. a classifier's accuracy), each summed over the data
+    group (collective)."""
+    losses, sums = [], {}
     for x, y in batches:
         losses.append(engine.loss(x, y))
-        if cfg.model.kind == "mlp":
-            correct += int((engine.predict(x) == y).sum())
-            seen += len(y)
+        for name, (total, count) in engine.eval_metrics(x, y).items():
+            kept = sums.setdefault(name, [0, 0])
+            kept[0] += total
+            kept[1] += count
     val_loss = mean_over(dp_comm, float(np.mean(losses)))
-    if cfg.model.kind != "mlp":
-        return val_loss, None
     if dp_comm.Get_size() > 1:
-        correct, seen = dp_comm.allreduce(correct), dp_comm.allreduce(seen)
-    return val_loss, correct / seen
+        sums = {name: [dp_comm.allreduce(total), dp_comm.allreduce(count)]
+                for name, (total, count) in sorted(sums.items())}
+    return val_loss, {name: total / count for name, (total, count) in sums.items()}
+
+
+def _sample_len(cfg: Config) -> int | None:
+    """Tokens per sample (a sequence model's T), None when a sample is one item."""
+    return model_class(cfg.model.kind).sample_len(cfg.model)
 
 
 def _tokens_per_sample(cfg: Config) -> int:
-    return cfg.model.seq_len if cfg.model.kind == "gpt" else 1
+    return _sample_len(cfg) or 1
 
 
 def _open_data(cfg: Config, topo: Topology):
     """The training loader and the validation batches, after checking that the model
     can take the data (``data.contents``)."""
     check_fits(read_contents(cfg.data.path), cfg.model)
-    seq_len = cfg.model.seq_len if cfg.model.kind == "gpt" else None
     common = dict(batch_size=cfg.train.batch_size, dp_rank=topo.dp_rank,
-                  dp_size=topo.dp_size, seq_len=seq_len)
+                  dp_size=topo.dp_size, seq_len=_sample_len(cfg))
     loader = open_loader(cfg.data.path, split="train", seed=cfg.train.seed,
                          prefetch=cfg.data.prefetch, **common)
     val = None
@@ -417,13 +424,12 @@ class _Loop:
         return record
 
     def evaluate(self, step: int, val, record: dict[str, Any]) -> None:
-        """The validation loss (and accuracy) into ``record`` (collective); at step 0
-        the record is written at once."""
-        record["val_loss"], self.accuracy = evaluate(self.cfg, self.engine, val,
-                                                     self.topo.dp_comm)
+        """The validation loss (and the model's figures, e.g. accuracy) into ``record``
+        (collective); at step 0 the record is written at once."""
+        record["val_loss"], figures = evaluate(self.cfg, self.engine, val, self.topo.dp_comm)
         self.val_losses.append(record["val_loss"])
-        if self.accuracy is not None:
-            record["val_accuracy"] = self.accuracy
+        self.accuracy = figures.get("accuracy")
+        record |= {f"val_{name}": value for name, value in figures.items()}
         if step == 0 and self.writer is not None:
             self.writer.write(record)
             if not self.quiet:

@@ -1,5 +1,8 @@
 """What a dataset holds, and whether a model can take it.
 
+Which model kinds train on which data format is what each registered model declares
+(``data_format``, ``hpctrain.models.registry``).
+
 Every dataset file records what it holds in its root attributes (``hpctrain-prep``
 writes them; a partition copies them into every shard and into its manifest):
 
@@ -38,8 +41,6 @@ from hpctrain.data.manifest import resolve
 
 # the root attributes that describe a dataset's contents (copied by partitioning)
 CONTENT_ATTRS = ("vocab_size", "max_token", "n_classes", "classes", "image_shape")
-
-MODEL_OF = {TOKENS: "gpt", IMAGES: "mlp"}  # the model kind each data format feeds
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,16 @@ def read_contents(path: str | Path) -> Contents:
 def check_fits(c: Contents, model: Any) -> None:
     """Raise ``DataError`` if a model of config ``model`` (``ModelConfig``) cannot
     train on the data ``c``; the message names both values and the fix."""
-    want = MODEL_OF.get(c.format)
-    if want is None:
+    from hpctrain.models.registry import MODELS, kinds_for  # the data format each declares
+
+    wants = kinds_for(c.format)
+    if not wants:
+        which = " and ".join(f"{cls.data_format} for kind = \"{kind}\""
+                             for kind, cls in MODELS.items())
         raise DataError(f"{c.path}: holds {c.format} data, which no model trains on yet "
-                        f"(the training data are {TOKENS} for kind = \"gpt\" and {IMAGES} "
-                        f"for kind = \"mlp\")")
-    if model.kind != want:
+                        f"(the training data are {which})")
+    if model.kind not in wants:
+        want = " or ".join(wants)
         what = "a token stream" if c.format == TOKENS else "images"
         raise DataError(f"{c.path}: holds {what} ({c.format}), which a {want} model trains "
                         f"on; the config's [model] kind is {model.kind!r}: set kind = "
@@ -113,8 +118,12 @@ def check_fits(c: Contents, model: Any) -> None:
 
 
 def _data_for(kind: str) -> str:
-    return {"gpt": f"a {TOKENS} file ({REMEDY[TOKENS]})",
-            "mlp": f"an {IMAGES} file ({REMEDY[IMAGES]})"}.get(kind, "another dataset")
+    from hpctrain.models.registry import MODELS
+
+    wanted = MODELS[kind].data_format if kind in MODELS else None
+    if wanted not in REMEDY:
+        return "another dataset"
+    return f"{'an' if wanted == IMAGES else 'a'} {wanted} file ({REMEDY[wanted]})"
 
 
 def _check_tokens(c: Contents, model: Any) -> None:

@@ -1,8 +1,10 @@
-"""The GPT and the MLP classifier, built only from hpctrain.nn."""
+"""The models, each a folder, built only from hpctrain.nn and declaring the protocol
+of ``hpctrain.models.protocol``; ``registry`` names them by kind."""
 
 from hpctrain.models.build import build_model
 from hpctrain.models.gpt import GPT, Block, Embed, FeedForward, GPTCache, Head, HeadCache
 from hpctrain.models.mlp import MLPCache, MLPClassifier
+from hpctrain.models.protocol import Model, Pieces, TensorPlan
 
 __all__ = [
     "GPT",
@@ -14,5 +16,8 @@ __all__ = [
     "HeadCache",
     "MLPCache",
     "MLPClassifier",
+    "Model",
+    "Pieces",
+    "TensorPlan",
     "build_model",
 ]

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from hpctrain.config import MODEL_KINDS, ModelConfig
-from hpctrain.models.gpt import GPT
-from hpctrain.models.mlp import MLPClassifier
-from hpctrain.nn import Module
+from hpctrain.config import ModelConfig
+from hpctrain.models.protocol import Model
+from hpctrain.models.registry import model_class
 
 
-def build_model(model_cfg: ModelConfig, seed: int) -> Module:
-    """A GPT for kind 'gpt', an MLPClassifier for kind 'mlp'; same seed, same weights."""
-    if model_cfg.kind == "gpt":
-        return GPT(model_cfg, seed)
-    if model_cfg.kind == "mlp":
-        return MLPClassifier(model_cfg, seed)
-    raise ValueError(f"model kind ({model_cfg.kind!r}) must be one of {', '.join(MODEL_KINDS)}")
+def build_model(model_cfg: ModelConfig, seed: int) -> Model:
+    """The registered model of ``model_cfg.kind``; same seed, same weights."""
+    return model_class(model_cfg.kind)(model_cfg, seed)

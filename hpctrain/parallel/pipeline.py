@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -178,13 +179,14 @@ class Stage:
     ``on_chunk_done(c)``, if set, runs after local chunk c's last backward of a step.
     """
 
-    def __init__(self, chunks: list[stages.ModelChunk], p2p: P2P, act_width: int,
+    def __init__(self, chunks: list[stages.ModelChunk], p2p: P2P,
+                 act_shape: Callable[[tuple[int, int]], tuple[int, ...]],
                  seq_divisor: int = 1):
         self.parts = chunks
         self.p2p = p2p
         self.pp_size, self.pp_rank = p2p.pp_size, p2p.pp_rank
         self.virtual_stages = len(chunks)
-        self.act_width = act_width  # C
+        self.activation_shape = act_shape  # the model's: (mb, T) -> (mb, T, C)
         self.seq_divisor = seq_divisor  # tp with sequence parallelism: T is split
         self.on_chunk_done = None
         self.begin(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), 1)  # no step yet
@@ -194,7 +196,7 @@ class Stage:
         """Split this rank's batch x, y (b, T) into m microbatches (b/m, T)."""
         self.xs, self.ys = np.split(x, m), np.split(y, m)
         b, t = x.shape
-        self.act_shape = (b // m, t // self.seq_divisor, self.act_width)  # (mb, T, C)
+        self.act_shape = self.activation_shape((b // m, t // self.seq_divisor))  # (mb, T, C)
         self.dloss, self.training = dloss, training
         self.caches: dict[tuple[int, int], tuple[list, np.ndarray | None]] = {}
         self.live = self.peak = 0
@@ -209,7 +211,7 @@ class Stage:
         chunk = self.parts[c]
         with trace.span("F", "compute", mb=i, chunk=self.chunk_index(c)):
             out, cache = chunk.forward(self.xs[i] if x is None else x, self.ys[i])
-        if chunk.head is not None:
+        if chunk.last is not None:
             self.loss_sum += out / len(self.xs)
             out = None
         if self.training:
@@ -227,7 +229,7 @@ class Stage:
         cache, x = self.caches.pop((c, i))
         self.live -= 1
         with trace.span("B", "compute", mb=i, chunk=self.chunk_index(c)):
-            dx = chunk.backward(self.dloss if chunk.head is not None else dy, cache)
+            dx = chunk.backward(self.dloss if chunk.last is not None else dy, cache)
         self.p2p.release(x)
         self.p2p.release(dy)
         self.trace.append(("B", self.chunk_index(c), i, time.thread_time() - t0))
@@ -255,9 +257,10 @@ class Stage:
 class PipelineEngine:
     """This rank's pipeline stage of ``model`` (tensor-parallel already, or not).
 
-    Keeps only the chunks ``stages.plan`` gives this rank; ``named_params`` carry the
-    full model's names. With tied embeddings the first and last stage each hold the
-    token table and their gradients are summed at the end of ``forward_backward``.
+    Keeps only the chunks of the model's pipeline pieces ``stages.plan`` gives this
+    rank; ``named_params`` carry the full model's names. A parameter the first and the
+    last piece share (the GPT's tied token table) is held by the first and last stage,
+    and their gradients are summed at the end of ``forward_backward``.
     """
 
     def __init__(self, model: Any, cfg: Any, topo: Any):
@@ -267,12 +270,14 @@ class PipelineEngine:
         self.pp_size, self.pp_rank = topo.pp_size, topo.pp_rank
         self.microbatches, self.virtual_stages = par.microbatches, par.virtual_stages
         self.schedule = SCHEDULES[par.schedule]
-        specs = stages.plan(cfg.model, self.pp_size, par.virtual_stages, par.balance)
+        specs = stages.plan(model.piece_costs(cfg.model), self.pp_size, par.virtual_stages,
+                            par.balance)
         chunks = [stages.ModelChunk(s, model) for s in stages.rank_chunks(specs, self.pp_rank,
                                                                          self.pp_size)]
         self.p2p = P2P(self.pp_comm, len(specs), self.microbatches, cfg.model.dtype)
         seq_divisor = topo.tp_size if par.sequence_parallel else 1
-        self.stage = Stage(chunks, self.p2p, cfg.model.d_model, seq_divisor)
+        self.stage = Stage(chunks, self.p2p,
+                           lambda shape: model.activation_shape(cfg.model, shape), seq_divisor)
         mine = {id(p) for chunk in chunks for p in chunk.parameters()}
         self.named_params = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.params = [p for _, p in self.named_params]
@@ -330,6 +335,10 @@ class PipelineEngine:
         forward_only(self.stage, m)
         return self._finish()
 
+    def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
+        """None beyond the loss: no stage holds the whole model's output."""
+        return {}
+
     def _check_batch(self, x: np.ndarray, m: int) -> int:
         if x.ndim != 2 or len(x) % m:
             raise ValueError(f"the batch ({x.shape[0]} sequences) must be (b, T) with b "
@@ -385,6 +394,7 @@ class PipelineEngine:
 
 
 def _tied_parameters(model: Any) -> list:
-    """Parameters the embedding and the head share (the tied token table)."""
-    head = {id(p) for p in model.head.parameters()}
-    return [p for p in model.embed.parameters() if id(p) in head]
+    """Parameters the first and the last pipeline piece share (the tied token table)."""
+    pieces = model.pipeline_pieces()
+    last = {id(p) for p in pieces.last.parameters()}
+    return [p for p in pieces.first.parameters() if id(p) in last]

@@ -1,9 +1,11 @@
-"""Which pipeline rank holds which part of the GPT: pure arithmetic, tested without MPI.
+"""Which pipeline rank holds which pieces of the model: pure arithmetic, tested without MPI.
 
-The model is cut into ``K = pp * v`` contiguous *model chunks* of transformer blocks.
-Model chunk 0 also holds the embedding, model chunk ``K - 1`` the final LayerNorm,
-the output head and the loss. With the interleaved schedule every rank holds ``v``
-chunks, round-robin (Megatron's virtual pipeline)::
+A model declares its pipeline pieces (``hpctrain.models.protocol``): a ``first``
+piece (the GPT's embedding), ``middle`` pieces (its transformer blocks) and a
+``last`` piece (the final LayerNorm, the output head and the loss). The model is cut
+into ``K = pp * v`` contiguous *model chunks* of middle pieces; model chunk 0 also
+holds the first piece, model chunk ``K - 1`` the last. With the interleaved schedule
+every rank holds ``v`` chunks, round-robin (Megatron's virtual pipeline)::
 
     local chunk c of pipeline rank r holds model chunk  k = c * pp + r
 
@@ -16,14 +18,14 @@ chunks, round-robin (Megatron's virtual pipeline)::
 A microbatch therefore visits the ranks 0 1 0 1 and the activation leaving the last
 rank wraps round to rank 0 for its next chunk.
 
-Balancing: ``"layers"`` gives every chunk the same number of blocks (earlier chunks
-take the remainder, as ``np.array_split`` does); ``"params"`` minimises the largest
-parameter count of any chunk, counting the embedding on chunk 0 and the head on chunk
-``K - 1`` (with tied embeddings the last chunk holds a copy of the token table, and it
-is counted there too).
+Balancing: ``"layers"`` gives every chunk the same number of middle pieces (earlier
+chunks take the remainder, as ``np.array_split`` does); ``"params"`` minimises the
+largest cost of any chunk, the costs the model declares per piece (``piece_costs``:
+the GPT's are parameter counts), counting the first piece on chunk 0 and the last on
+chunk ``K - 1``.
 
-``ModelChunk`` runs the embed, blocks and head one ChunkSpec selects as one forward
-and one backward; everything else here is arithmetic on the config.
+``ModelChunk`` runs the pieces one ChunkSpec selects as one forward and one backward;
+everything else here is arithmetic on the costs.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpctrain.config import ModelConfig
+from hpctrain.models.protocol import Pieces
 
 
 @dataclass(frozen=True)
 class ChunkSpec:
-    """Model chunk ``index`` of ``n_chunks``: blocks ``[start, stop)``, plus the ends."""
+    """Model chunk ``index`` of ``n_chunks``: middle pieces ("blocks") ``[start, stop)``,
+    plus the first piece (``has_embed``) on chunk 0 and the last (``has_head``) on the
+    last chunk; the names are the GPT's."""
 
     index: int
     n_chunks: int
@@ -67,17 +71,22 @@ def chunk_owner(k: int, pp: int) -> tuple[int, int]:
     return k % pp, k // pp
 
 
-def block_params(m: ModelConfig) -> int:
-    """Parameters of one transformer block: two LayerNorms, attention, MLP."""
-    c, f = m.d_model, m.ffn_dim
-    return 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * f + f) + (f * c + c)
+def costs_of(model) -> Pieces:
+    """The per-piece costs of ``model``: its ``Pieces`` of costs as given, or those the
+    registered model of a ModelConfig declares (``piece_costs``)."""
+    if isinstance(model, Pieces):
+        return model
+    from hpctrain.models.registry import model_class  # a config: its kind's declaration
+
+    costs = model_class(model.kind).piece_costs(model)
+    if costs is None:
+        raise ValueError(f"model kind {model.kind!r} declares no pipeline pieces")
+    return costs
 
 
-def end_params(m: ModelConfig) -> tuple[int, int]:
-    """(embedding parameters, head parameters) as held by the first and last chunk."""
-    embed = m.vocab_size * m.d_model + m.seq_len * m.d_model  # wte + wpe
-    head = 2 * m.d_model + m.d_model * m.vocab_size  # ln_f + lm_head (or the tied copy)
-    return embed, head
+def block_params(m) -> int:
+    """The cost of one middle piece of ModelConfig ``m`` (the GPT: a block's parameters)."""
+    return int(costs_of(m).middle[0])
 
 
 def partition(costs: list[float], n_chunks: int, *, first: float = 0.0,
@@ -140,16 +149,16 @@ def _fits(costs, n_chunks, first, last, bound) -> bool:
     return start == n
 
 
-def plan(m: ModelConfig, pp: int, virtual_stages: int = 1,
+def plan(model, pp: int, virtual_stages: int = 1,
          balance: str = "layers") -> list[ChunkSpec]:
-    """The ``pp * virtual_stages`` model chunks of a GPT, in model order."""
+    """The ``pp * virtual_stages`` model chunks, in model order. ``model``: the
+    ``Pieces`` of costs a model declares, or a ModelConfig (``costs_of``)."""
     n_chunks = pp * virtual_stages
+    costs = costs_of(model)
     if balance == "layers":
-        sizes = partition([1.0] * m.n_layer, n_chunks)
+        sizes = partition([1.0] * len(costs.middle), n_chunks)
     elif balance == "params":
-        embed, head = end_params(m)
-        sizes = partition([float(block_params(m))] * m.n_layer, n_chunks,
-                          first=embed, last=head)
+        sizes = partition(list(costs.middle), n_chunks, first=costs.first, last=costs.last)
     else:
         raise ValueError(f"balance ({balance!r}) must be 'layers' or 'params'")
     specs, start = [], 0
@@ -166,28 +175,29 @@ def rank_chunks(specs: list[ChunkSpec], pp_rank: int, pp: int) -> list[ChunkSpec
 
 
 class ModelChunk:
-    """The parts of a GPT one ChunkSpec selects, run as one forward and one backward.
+    """The pieces of a model one ChunkSpec selects, run as one forward and one backward.
 
-    ``forward(inp, targets)``: ``inp`` is the token ids (B, T) on chunk 0, else the
-    activation (B, T, C); returns the output activation (B, T, C), or the loss on the
-    last chunk, and the list of part caches. ``backward(dout, caches)``: ``dout`` is
-    the output gradient (B, T, C), or the scalar d(objective)/d(loss) on the last
-    chunk; returns the input gradient (None on chunk 0, whose input is integer).
+    ``forward(inp, targets)``: ``inp`` is the model's input on chunk 0 (the GPT's token
+    ids (B, T)), else the activation (B, T, C); returns the output activation, or the
+    loss on the last chunk, and the list of piece caches. ``backward(dout, caches)``:
+    ``dout`` is the output gradient, or the scalar d(objective)/d(loss) on the last
+    chunk; returns the input gradient (None on chunk 0, whose input is data).
     """
 
     def __init__(self, spec: ChunkSpec, model):
+        pieces = model.pipeline_pieces()
         self.spec = spec
-        self.embed = model.embed if spec.has_embed else None
-        self.blocks = [model.blocks[j] for j in spec.blocks]
-        self.head = model.head if spec.has_head else None
+        self.first = pieces.first if spec.has_embed else None
+        self.middle = [pieces.middle[j] for j in spec.blocks]
+        self.last = pieces.last if spec.has_head else None
 
     @property
     def parts(self) -> list:
-        return ([self.embed] if self.embed else []) + self.blocks + \
-            ([self.head] if self.head else [])
+        return ([self.first] if self.first else []) + self.middle + \
+            ([self.last] if self.last else [])
 
     def parameters(self) -> list:
-        """Each parameter once (a tied table reached by embed and head is one)."""
+        """Each parameter once (a tied table reached by first and last is one)."""
         seen = {}
         for part in self.parts:
             for p in part.parameters():
@@ -197,14 +207,14 @@ class ModelChunk:
     def forward(self, inp: np.ndarray, targets: np.ndarray | None):
         caches = []
         x = inp
-        if self.embed is not None:
-            x, cache = self.embed.forward(inp)  # (B, T) -> (B, T, C)
+        if self.first is not None:
+            x, cache = self.first.forward(inp)  # GPT: (B, T) -> (B, T, C)
             caches.append(cache)
-        for block in self.blocks:
-            x, cache = block.forward(x)  # (B, T, C)
+        for piece in self.middle:
+            x, cache = piece.forward(x)  # (B, T, C)
             caches.append(cache)
-        if self.head is not None:
-            loss, cache = self.head.forward(x, targets)
+        if self.last is not None:
+            loss, cache = self.last.forward(x, targets)
             caches.append(cache)
             return loss, caches
         return x, caches
@@ -212,11 +222,11 @@ class ModelChunk:
     def backward(self, dout, caches: list) -> np.ndarray | None:
         caches = list(caches)
         dx = dout
-        if self.head is not None:
-            dx = self.head.backward(dout, caches.pop())  # scalar -> (B, T, C)
-        for block in reversed(self.blocks):
-            dx = block.backward(dx, caches.pop())  # (B, T, C)
-        if self.embed is not None:
-            self.embed.backward(dx, caches.pop())
+        if self.last is not None:
+            dx = self.last.backward(dout, caches.pop())  # scalar -> (B, T, C)
+        for piece in reversed(self.middle):
+            dx = piece.backward(dx, caches.pop())  # (B, T, C)
+        if self.first is not None:
+            self.first.backward(dx, caches.pop())
             return None
         return dx

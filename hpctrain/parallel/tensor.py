@@ -24,10 +24,12 @@ One block of the GPT on each of tp ranks (``r`` marks what is split over the ran
 An all-reduce is a reduce-scatter plus an all-gather, so both move the same volume;
 sequence parallelism just stops holding LayerNorm and the residual in full.
 
-``apply_tensor_parallel`` is the coordinator: the model in ``hpctrain.models`` knows
-nothing of this; the plan (``hpctrain.parallel.tensor_gpt``) is data, a tuple of
-``(path pattern, style)``, and each style slices the full weights of the module it
-replaces, so the sharded model equals the serial one whatever tp is. Every parameter
+``apply_tensor_parallel`` is the coordinator: the model knows nothing of this; its
+plan is data it declares (``Model.tensor_plan``, a ``TensorPlan`` kept next to the
+model, e.g. ``hpctrain/models/gpt/tensor_parallel.py``), a tuple of ``(path pattern,
+style)``; each style (the generic ``STYLES`` below, or the model's own) slices the full
+weights of the module it replaces, so the sharded model equals the serial one
+whatever tp is. Every parameter
 becomes a ``ShardedParameter`` saying how it is split.
 """
 
@@ -40,9 +42,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hpctrain.config import ConfigError
 from hpctrain.nn import Embedding, EmbeddingCache, Linear, LinearCache, Module, Parameter
 from hpctrain.parallel.collectives import CountingComm, all_gather, all_reduce, reduce_scatter
-from hpctrain.parallel.engine import LocalEngine
+from hpctrain.parallel.local import LocalEngine
 from hpctrain.parallel.shards import ShardedParameter, grad_sq_sum_tp, shard_parameter
 
 SEQ_AXIS = 1  # T in (B, T, C): the axis sequence parallelism splits
@@ -297,38 +300,73 @@ class TensorParallelState:
     comm: CountingComm  # the tensor communicator, counting what the layers send
     sequence_parallel: bool
     plan: tuple[tuple[str, str], ...]
+    metrics: Any = None  # the TensorPlan's metrics(model config, (b, T), tp) -> dict
 
 
 def apply_tensor_parallel(model: Module, cfg: Any, tp_comm: Any) -> Module:
     """Shard the full serial ``model`` (built from the global seed) over ``tp_comm``.
 
-    For each ``(pattern, style)`` of the plan, in order, every module the pattern
-    names (``*`` matching any list index) is replaced by ``STYLES[style](module, comm,
-    model)``, which slices the full weights it holds; every parameter no style split
-    is then marked replicated. Local work only: no collective. Returns the model.
+    The model's ``tensor_plan`` gives the entries; for each ``(pattern, style)``, in
+    order, every module the pattern names (``*`` matching any list index) is replaced
+    by ``style(module, comm, model)`` (the model's styles, else ``STYLES``), which
+    slices the full weights it holds; every parameter no style split is then marked
+    replicated. Local work only: no collective. Returns the model.
     """
-    from hpctrain.parallel import tensor_gpt  # the GPT plan, built on this module's layers
-
     tp = tp_comm.Get_size()
     if cfg.parallel.tp != tp:
         raise ValueError(f"tp ({cfg.parallel.tp}) must equal the size of the tensor "
                          f"communicator ({tp})")
-    tensor_gpt.check_divisible(cfg.model, tp, cfg.parallel.sequence_parallel)
+    tensor_plan = model.tensor_plan(cfg.parallel.sequence_parallel)
+    if tensor_plan is None:
+        raise ConfigError(f"tensor parallelism splits the {_models_with_plans()} only "
+                          f"(model kind is {cfg.model.kind!r})")
+    tensor_plan.check(cfg.model, tp, cfg.parallel.sequence_parallel)
     comm = CountingComm(tp_comm)
-    plan = tensor_gpt.plan(cfg.parallel.sequence_parallel)
-    for pattern, style in plan:
+    styles = {**STYLES, **tensor_plan.styles}
+    for pattern, style in tensor_plan.entries:
         matches = find_modules(model, pattern)
         if not matches:
             raise ValueError(f"plan entry {pattern!r} names no module of the model")
         for parent, key, module in matches:
-            replacement = tensor_gpt.STYLES[style](module, comm, model)
+            replacement = styles[style](module, comm, model)
             if isinstance(parent, list):
                 parent[key] = replacement
             else:
                 setattr(parent, key, replacement)
     mark_replicated(model)
-    model.tensor_parallel = TensorParallelState(comm, cfg.parallel.sequence_parallel, plan)
+    model.tensor_parallel = TensorParallelState(comm, cfg.parallel.sequence_parallel,
+                                                tensor_plan.entries, tensor_plan.metrics)
     return model
+
+
+def _models_with_plans() -> str:
+    """'GPT': the registered models that declare a tensor-parallel plan."""
+    from hpctrain.models.registry import MODELS
+
+    return " and ".join(cls.name for cls in MODELS.values() if cls.tensor_plan(False))
+
+
+# the generic styles: module, tensor communicator, whole model -> sharded module
+STYLES = {
+    "vocab": lambda m, comm, model: VocabParallelEmbedding.from_serial(
+        m, comm, ReduceFromTensorRegion(comm)),
+    "vocab-local": lambda m, comm, model: VocabParallelEmbedding.from_serial(
+        m, comm, NoCommunication()),
+    "column-heads": lambda m, comm, model: ColumnParallelLinear.from_serial(
+        m, comm, CopyToTensorRegion(comm), blocks=3),
+    "column-heads-local": lambda m, comm, model: ColumnParallelLinear.from_serial(
+        m, comm, NoCommunication(), blocks=3),
+    "column": lambda m, comm, model: ColumnParallelLinear.from_serial(
+        m, comm, CopyToTensorRegion(comm)),
+    "column-gather": lambda m, comm, model: ColumnParallelLinear.from_serial(
+        m, comm, GatherFromSequenceRegion(comm)),
+    "row": lambda m, comm, model: RowParallelLinear.from_serial(
+        m, comm, ReduceFromTensorRegion(comm)),
+    "row-local": lambda m, comm, model: RowParallelLinear.from_serial(
+        m, comm, NoCommunication()),
+    "row-scatter": lambda m, comm, model: RowParallelLinear.from_serial(
+        m, comm, ScatterToSequenceRegion(comm)),
+}
 
 
 def find_modules(root: Module, pattern: str) -> list[tuple[Any, Any, Any]]:
@@ -402,9 +440,7 @@ class TensorParallelEngine(LocalEngine):
     def metrics(self) -> dict[str, float]:
         out = {"tp_comm_bytes": self.tp.comm.bytes_sent, "tp_comm_calls": self.tp.comm.calls,
                "activation_bytes": self.activation_bytes}
-        if self.tp.sequence_parallel:
-            from hpctrain.parallel.tensor_gpt import sequence_parallel_saving
-
-            out["sp_activation_bytes_saved"] = sequence_parallel_saving(
-                self.model_cfg, *self.microbatch_shape, self.tp.comm.Get_size())
+        if self.tp.metrics is not None:
+            out |= self.tp.metrics(self.model_cfg, self.microbatch_shape,
+                                   self.tp.comm.Get_size())
         return out

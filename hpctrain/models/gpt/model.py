@@ -6,7 +6,8 @@
 
 The model is three kinds of separable part, ``embed``, ``blocks`` (a list) and ``head``,
 each with ``forward -> (y, cache)`` and ``backward(dy, cache) -> dx``, so a pipeline
-stage can run the embedding, a range of blocks, or the head on its own. With
+stage can run the embedding, a range of blocks, or the head on its own: they are its
+``pipeline_pieces`` (``hpctrain.models.protocol``). With
 ``tie_embeddings`` the head multiplies by ``wte.weight.T`` instead of owning a
 ``lm_head``, and its gradient is added into the token embedding.
 
@@ -23,7 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hpctrain.config import ModelConfig
+from hpctrain.config import ConfigError, ModelConfig
+from hpctrain.data.format import TOKENS
+from hpctrain.models.protocol import Model, Pieces, TensorPlan
 from hpctrain.nn import (
     GELU,
     AttentionCache,
@@ -238,8 +241,18 @@ class GPTCache(NamedTuple):
     head: HeadCache
 
 
-class GPT(Module):
-    """The full model; ``forward`` and ``backward`` just chain embed, blocks and head."""
+class GPT(Model):
+    """The full model; ``forward`` and ``backward`` just chain embed, blocks and head.
+
+    Declares (``hpctrain.models.protocol``): pipeline pieces embed / blocks / head, their
+    parameter counts as costs, the tensor-parallel plan of ``tensor_parallel.py``, the
+    backward pieces of the overlapped all-reduce, and its model FLOPs.
+    """
+
+    name = "GPT"
+    data_format = TOKENS
+    config_keys = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff",
+                   "tie_embeddings")
 
     def __init__(self, cfg: ModelConfig, seed: int):
         rng = np.random.default_rng(seed)
@@ -294,3 +307,75 @@ class GPT(Module):
         for block in self.blocks:
             x, _ = block.forward(x)
         return self.head.logits(x)
+
+    # -----------------------------------------------------------------------------
+    # what the engine reads (hpctrain.models.protocol)
+
+    @classmethod
+    def check_config(cls, m: ModelConfig, par) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(m, name)
+            _require(value >= 1, f"{name} ({value}) must be at least 1")
+        _require(m.d_model % m.n_head == 0,
+                 f"n_head ({m.n_head}) must divide d_model ({m.d_model})")
+        _require(m.n_head % par.tp == 0, f"tp ({par.tp}) must divide n_head ({m.n_head})")
+        _require(m.ffn_dim % par.tp == 0,
+                 f"tp ({par.tp}) must divide the MLP width d_ff ({m.ffn_dim})")
+        _require(m.vocab_size % par.tp == 0,
+                 f"tp ({par.tp}) must divide vocab_size ({m.vocab_size})")
+        if par.sequence_parallel:
+            _require(m.seq_len % par.tp == 0,
+                     f"sequence parallelism needs tp ({par.tp}) to divide seq_len ({m.seq_len})")
+        chunks = par.pp * par.virtual_stages
+        _require(chunks <= m.n_layer,
+                 f"pp * virtual_stages ({par.pp} * {par.virtual_stages} = {chunks}) must not "
+                 f"exceed n_layer ({m.n_layer}): every model chunk needs a layer")
+
+    @classmethod
+    def model_flops(cls, m: ModelConfig, samples: int) -> float:
+        """FLOPs of one training step (forward + backward) over ``samples`` sequences of
+        ``T = seq_len``: the matrix products, forward ``2 m n k`` each, backward twice::
+
+            per token and layer, forward:  2 (3 C^2 + C^2 + 2 C F)    qkv, proj, fc, fc-proj
+                                           + 2 (2 T C)                 S = q k^T and P v
+            per token, head:               2 C V
+
+        Attention counts the whole ``T x T`` products, the masked half included,
+        because the batched products compute them.
+        """
+        C, F, T, V = m.d_model, m.ffn_dim, m.seq_len, m.vocab_size
+        per_token_layer = 2 * (3 * C * C + C * C + 2 * C * F) + 2 * (2 * T * C)
+        forward = samples * T * (m.n_layer * per_token_layer + 2 * C * V)
+        return 3.0 * forward
+
+    @classmethod
+    def sample_len(cls, m: ModelConfig) -> int:
+        return m.seq_len
+
+    @classmethod
+    def piece_costs(cls, m: ModelConfig) -> Pieces[float]:
+        """Parameters of the embedding, of each block, of the head (with tied embeddings
+        the last stage holds a copy of the token table: it is counted there too)."""
+        c, f = m.d_model, m.ffn_dim
+        block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * f + f) + (f * c + c)
+        embed = m.vocab_size * m.d_model + m.seq_len * m.d_model  # wte + wpe
+        head = 2 * m.d_model + m.d_model * m.vocab_size  # ln_f + lm_head (or the tied copy)
+        return Pieces(float(embed), [float(block)] * m.n_layer, float(head))
+
+    def pipeline_pieces(self) -> Pieces[Module]:
+        return Pieces(self.embed, self.blocks, self.head)
+
+    @classmethod
+    def activation_shape(cls, m: ModelConfig, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*x_shape, m.d_model)  # (B, T) -> (B, T, C)
+
+    @classmethod
+    def tensor_plan(cls, sequence_parallel: bool) -> TensorPlan:
+        from hpctrain.models.gpt import tensor_parallel  # only when tp > 1: it loads MPI
+
+        return tensor_parallel.tensor_plan(sequence_parallel)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

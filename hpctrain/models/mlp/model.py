@@ -19,14 +19,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hpctrain.config import ModelConfig
+from hpctrain.config import ConfigError, ModelConfig
+from hpctrain.data.format import IMAGES
+from hpctrain.models.protocol import Model
 from hpctrain.nn import (
     GELU,
     CrossEntropyCache,
     GELUCache,
     Linear,
     LinearCache,
-    Module,
     cross_entropy,
     cross_entropy_backward,
 )
@@ -43,8 +44,16 @@ class MLPCache(NamedTuple):
         return self.ce.logits
 
 
-class MLPClassifier(Module):
-    """Hidden Linear + GELU layers of widths ``cfg.hidden``, then a Linear to the classes."""
+class MLPClassifier(Model):
+    """Hidden Linear + GELU layers of widths ``cfg.hidden``, then a Linear to the classes.
+
+    Declares (``hpctrain.models.protocol``) its config rules, model FLOPs and accuracy;
+    no pipeline pieces or tensor plan: data parallelism only.
+    """
+
+    name = "MLP classifier"
+    data_format = IMAGES
+    config_keys = ("input_dim", "hidden", "n_classes")
 
     def __init__(self, cfg: ModelConfig, seed: int):
         rng = np.random.default_rng(seed)
@@ -95,3 +104,24 @@ class MLPClassifier(Module):
     def predict(self, x: np.ndarray) -> np.ndarray:
         # x (B, input_dim) -> class indices (B,)
         return self.logits(x).argmax(axis=1)
+
+    # -----------------------------------------------------------------------------
+    # what the engine reads (hpctrain.models.protocol)
+
+    @classmethod
+    def check_config(cls, m: ModelConfig, par) -> None:
+        if not (m.input_dim >= 1 and m.n_classes >= 2):
+            raise ConfigError(f"input_dim ({m.input_dim}) must be >= 1 and n_classes "
+                              f"({m.n_classes}) >= 2")
+        if not all(h >= 1 for h in m.hidden):
+            raise ConfigError(f"hidden sizes ({list(m.hidden)}) must be positive")
+
+    @classmethod
+    def model_flops(cls, m: ModelConfig, samples: int) -> float:
+        """``3 * samples * sum 2 n_in n_out`` over the layers: forward once, backward twice."""
+        sizes = (m.input_dim, *m.hidden, m.n_classes)
+        return 3.0 * samples * sum(2 * a * b for a, b in pairwise(sizes))
+
+    def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
+        """Accuracy: (correct predictions, samples) of x (B, input_dim), y (B,)."""
+        return {"accuracy": (int((self.predict(x) == y).sum()), len(y))}

@@ -1,0 +1,113 @@
+"""What a model declares so the engine can run it at any layout.
+
+A model is a ``Model`` (a ``Module``) whose class is registered under a kind in
+``hpctrain.models.registry``. The engine (``hpctrain.parallel``) reads only what is
+declared here; it never imports a model. Required, for serial and data parallelism:
+
+    Model(cfg, seed)                 every parameter drawn from one rng(seed): the same
+                                     weights on every rank, whatever the layout
+    forward(x, targets)              -> (loss, cache), loss the mean over the batch
+    backward(cache, dloss=1.0)       accumulates into each parameter's .grad
+    name, data_format, config_keys   how messages call it; the dataset format it
+                                     trains on; the [model] keys it reads (besides
+                                     kind, dtype, init_std)
+    check_config(m, par)             raise ConfigError naming the values (pure: runs on
+                                     every rank before the first collective)
+    model_flops(m, samples)          FLOPs of one training step over `samples` (MFU)
+
+Optional, each one a layout or a feature (the defaults here decline it):
+
+    sample_len(m)                    tokens per sample (T), or None: one item a sample
+    piece_costs(m)                   Pieces of floats: the cost of each pipeline piece
+    pipeline_pieces()                Pieces of modules: first(x) -> act; middle[i](act)
+                                     -> act; last(act, targets) -> loss; each with
+                                     forward -> (y, cache), backward(dy, cache) -> dx
+    activation_shape(m, x_shape)     the activation between pieces, for (b, T) input
+    tensor_plan(sequence_parallel)   TensorPlan: the tensor-parallel plan, as data
+    backward_pieces()                [[Parameter]] each finished piece of backward, in
+                                     order; backward(..., after_piece) calls
+                                     after_piece() after each (overlapped all-reduce)
+    eval_metrics(x, y)               {name: (sum, count)} beyond the loss (accuracy)
+
+Stage balancing cuts only between middle pieces: the first piece rides with the first
+chunk, the last with the last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import numpy as np
+
+from hpctrain.nn import Module, Parameter
+
+P = TypeVar("P")
+
+
+class Pieces(NamedTuple, Generic[P]):
+    """A model cut for pipelining: ``first``, the ``middle`` pieces in order, ``last``.
+    Of modules (``pipeline_pieces``) or of their costs (``piece_costs``)."""
+
+    first: P
+    middle: list[P]
+    last: P
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """A tensor-parallel plan, kept next to its model.
+
+    ``entries``: ``(path pattern, style)`` in the order applied (``*`` matches any list
+    index); ``styles``: the model's own styles, style -> ``build(module, tp_comm,
+    model)``, beside the generic ones of ``hpctrain.parallel.tensor.STYLES``;
+    ``check(m, tp, sequence_parallel)``: raise ConfigError if tp does not divide what
+    the plan splits; ``metrics(m, (b, T), tp)``: extra per-step figures.
+    """
+
+    entries: tuple[tuple[str, str], ...]
+    styles: dict[str, Callable[[Any, Any, Any], Any]] = field(default_factory=dict)
+    check: Callable[[Any, int, bool], None] = lambda m, tp, sequence_parallel: None
+    metrics: Callable[[Any, tuple[int, int], int], dict] = lambda m, shape, tp: {}
+
+
+class Model(Module):
+    """The base of every registered model: the declarations above, and their defaults."""
+
+    name: str = "model"
+    data_format: str = ""
+    config_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def check_config(cls, m: Any, par: Any) -> None:
+        """Raise ConfigError for a value of ``m`` (ModelConfig) this model cannot take."""
+
+    @classmethod
+    def model_flops(cls, m: Any, samples: int) -> float:
+        raise NotImplementedError(f"the {cls.name} does not declare its model FLOPs")
+
+    @classmethod
+    def sample_len(cls, m: Any) -> int | None:
+        return None
+
+    @classmethod
+    def piece_costs(cls, m: Any) -> Pieces[float] | None:
+        return None  # not cuttable: pp must be 1
+
+    def pipeline_pieces(self) -> Pieces[Module]:
+        raise NotImplementedError(f"the {self.name} declares no pipeline pieces")
+
+    @classmethod
+    def activation_shape(cls, m: Any, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        raise NotImplementedError(f"the {cls.name} declares no pipeline activation")
+
+    @classmethod
+    def tensor_plan(cls, sequence_parallel: bool) -> TensorPlan | None:
+        return None  # no tensor parallelism: tp must be 1
+
+    def backward_pieces(self) -> list[list[Parameter]] | None:
+        return None  # backward runs whole; the gradients are reduced after it
+
+    def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
+        return {}
