@@ -36,7 +36,7 @@ COMMON_MODEL_KEYS = ("kind", "dtype", "init_std")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: str = "gpt"  # a registered model (hpctrain.models.registry): "gpt" or "mlp"
+    kind: str = "gpt"  # a registered model (hpctrain.models.registry): "gpt", "mlp", "cnn"
     dtype: str = "float32"  # "float32" or "float64" (gradient checks, equivalence tests)
     init_std: float = 0.02
     # GPT
@@ -47,10 +47,11 @@ class ModelConfig:
     d_model: int = 128  # C
     d_ff: int = 0  # MLP width inside a block; 0 means 4 * d_model
     tie_embeddings: bool = False  # share the token embedding with the output head
-    # MLP classifier
-    input_dim: int = 784
-    hidden: tuple[int, ...] = (256, 256)
+    # MLP and CNN classifiers
+    input_dim: int = 784  # values per image (the CNN: a square, S * S)
+    hidden: tuple[int, ...] = (256, 256)  # MLP: hidden layer widths
     n_classes: int = 10
+    channels: tuple[int, ...] = (32, 64)  # CNN: widths of its stages (two 3x3 convs each)
 
     @property
     def ffn_dim(self) -> int:

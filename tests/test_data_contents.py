@@ -54,7 +54,7 @@ def test_each_mismatch_names_both_values_and_the_fix(tmp_path, datasets):
         (images, ModelConfig(kind="mlp", n_classes=5),
          r"holds 10 classes; the model's n_classes \(5\) must be at least 10"),
         (images, ModelConfig(kind="gpt"),
-         r"holds images \(hpctrain.images\), which a mlp model trains on; the config's "
+         r"holds images \(hpctrain.images\), which a mlp or cnn model trains on; the config's "
          r"\[model\] kind is 'gpt'"),
         (tokens, ModelConfig(kind="mlp"),
          r"holds a token stream \(hpctrain.tokens\), which a gpt model trains on; the "

@@ -88,5 +88,5 @@ def test_build_model_picks_the_kind_and_is_deterministic():
     assert isinstance(a, MLPClassifier)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         np.testing.assert_array_equal(pa.data, pb.data)
-    with pytest.raises(ValueError, match="model kind .'cnn'. must be one of gpt, mlp"):
-        build_model(ModelConfig(kind="cnn"), 0)
+    with pytest.raises(ValueError, match="model kind .'resnet'. must be one of gpt, mlp, cnn"):
+        build_model(ModelConfig(kind="resnet"), 0)

@@ -103,7 +103,8 @@ def test_model_flops_are_the_models_declaration():
 
 
 @pytest.mark.parametrize("model, parallel, world, message", [
-    (ModelConfig(kind="cnn"), {}, 1, r"model kind \('cnn'\) must be one of gpt, mlp, toy"),
+    (ModelConfig(kind="resnet"), {}, 1,
+     r"model kind \('resnet'\) must be one of gpt, mlp, cnn, toy"),
     (ModelConfig(kind="mlp", n_head=8), {}, 1,
      r"\[model\] key\(s\) \['n_head'\] are not read by model kind 'mlp' \(the MLP "
      r"classifier\); its keys: \['dtype', 'hidden', 'init_std', 'input_dim', 'kind', "
@@ -121,9 +122,9 @@ def test_validation_refuses_what_the_model_does_not_declare(model, parallel, wor
 
 
 def test_an_unregistered_kind_stops_the_engine_before_any_collective():
-    cfg = Config(model=ModelConfig(kind="cnn"))
+    cfg = Config(model=ModelConfig(kind="resnet"))
     topo = Topology.build(MPI.COMM_SELF, ParallelConfig(dp=1))
-    with pytest.raises(ConfigError, match=r"model kind \('cnn'\) must be one of"):
+    with pytest.raises(ConfigError, match=r"model kind \('resnet'\) must be one of"):
         build_engine(cfg, topo)
     topo.free()
 

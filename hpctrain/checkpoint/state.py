@@ -5,7 +5,9 @@ and loads on this rank, each with its ``Sharding``:
 
 * ``model/<name>``: every parameter of the engine (only this pipeline stage's, named
   as in the full model), whole or this tensor-parallel rank's shard
-  (``ShardedParameter``'s ``tp_split``, ``tp_blocks``, ``global_shape``);
+  (``ShardedParameter``'s ``tp_split``, ``tp_blocks``, ``global_shape``); then, whole,
+  the engine's ``named_buffers`` if it has them (BatchNorm's running statistics,
+  the same on every data-parallel rank: they are synchronised);
 * ``optim/<state>/<name>``: the optimizer's per-parameter state (AdamW ``m`` and
   ``v``, SGD ``momentum_buf``) for the same shard; under ZeRO (``dp.stage`` 1 or 2)
   only the flat slice ``[lo, hi)`` of the shard this data-parallel rank owns, as the
@@ -73,6 +75,8 @@ def held_tensors(engine: Any, dp: Any, tp_rank: int, tp_size: int) -> list[Held]
     params = dict(engine.named_params)
     held = [Held(f"model/{name}", p.data, param_sharding(p, tp_rank, tp_size))
             for name, p in engine.named_params]
+    held += [Held(f"model/{name}", array, param_sharding(array, tp_rank, tp_size))
+             for name, array in getattr(engine, "named_buffers", ())]
     sliced = getattr(dp, "stage", 0) > 0
     for state, name, flat, array in optimizer_entries(dp.optimizer, sliced):
         held.append(Held(f"optim/{state}/{name}", array,

@@ -107,10 +107,11 @@ def check_fits(c: Contents, model: Any) -> None:
                         f"(the training data are {which})")
     if model.kind not in wants:
         want = " or ".join(wants)
+        settings = " or ".join(f'"{k}"' for k in wants)
         what = "a token stream" if c.format == TOKENS else "images"
         raise DataError(f"{c.path}: holds {what} ({c.format}), which a {want} model trains "
                         f"on; the config's [model] kind is {model.kind!r}: set kind = "
-                        f"\"{want}\", or point [data] path at {_data_for(model.kind)}")
+                        f"{settings}, or point [data] path at {_data_for(model.kind)}")
     if c.format == TOKENS:
         _check_tokens(c, model)
     else:

@@ -28,6 +28,12 @@ Optional, each one a layout or a feature (the defaults here decline it):
                                      order; backward(..., after_piece) calls
                                      after_piece() after each (overlapped all-reduce)
     eval_metrics(x, y)               {name: (sum, count)} beyond the loss (accuracy)
+    eval_loss(x, targets)            the loss for evaluation (default: forward's); a
+                                     model that trains and evaluates differently
+                                     (BatchNorm's running statistics) overrides it
+    share_batch(reduce)              reduce(a): the sum of a over the ranks sharing
+                                     each batch (the data group, given when dp > 1),
+                                     for statistics of the whole batch (BatchNorm)
 
 Stage balancing cuts only between middle pieces: the first piece rides with the first
 chunk, the last with the last chunk.
@@ -111,3 +117,9 @@ class Model(Module):
 
     def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
         return {}
+
+    def eval_loss(self, x: np.ndarray, targets: np.ndarray) -> float:
+        return float(self.forward(x, targets)[0])
+
+    def share_batch(self, reduce: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Nothing: each sample's loss depends on that sample only."""

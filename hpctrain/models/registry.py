@@ -8,6 +8,7 @@ its pipeline pieces and tensor-parallel plan, if any.
 from __future__ import annotations
 
 from hpctrain.config import ConfigError
+from hpctrain.models.cnn import CNNClassifier
 from hpctrain.models.gpt import GPT
 from hpctrain.models.mlp import MLPClassifier
 from hpctrain.models.protocol import Model
@@ -15,6 +16,7 @@ from hpctrain.models.protocol import Model
 MODELS: dict[str, type[Model]] = {
     "gpt": GPT,
     "mlp": MLPClassifier,
+    "cnn": CNNClassifier,
 }
 
 

@@ -40,6 +40,8 @@ class BatchNorm(Module):
     ``dx = dy w rstd``; train mode updates them with ``momentum`` (unbiased variance).
     """
 
+    buffer_names = ("running_mean", "running_var")  # saved in checkpoints (Module)
+
     def __init__(self, channels: int, eps: float = 1e-5, momentum: float = 0.1, *,
                  reduce: Callable[[np.ndarray], np.ndarray] = serial_sum, dtype=np.float32):
         if channels < 1 or not 0.0 <= momentum <= 1.0:

@@ -72,6 +72,27 @@ class Module:
                     if isinstance(item, Module):
                         yield from item._walk(f"{prefix}{name}.{i}.")
 
+    # names of this module's array attributes that are state but not trained (BatchNorm's
+    # running statistics): checkpoints save them, optimizers never see them
+    buffer_names: tuple[str, ...] = ()
+
+    def named_buffers(self, prefix: str = "") -> list[tuple[str, np.ndarray]]:
+        """Every ``buffer_names`` array, walked like the parameters: ``bn.running_mean``."""
+        named = [(prefix + name, getattr(self, name)) for name in self.buffer_names]
+        for path, child in self._children():
+            named += child.named_buffers(f"{prefix}{path}.")
+        return named
+
+    def _children(self):
+        """(name, module) of each Module attribute, a list's items named ``name.i``."""
+        for name, value in vars(self).items():
+            if isinstance(value, Module):
+                yield name, value
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    if isinstance(item, Module):
+                        yield f"{name}.{i}", item
+
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
 

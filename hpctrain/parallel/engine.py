@@ -11,7 +11,9 @@ no model: it reads what the model declares (``hpctrain.models.protocol``):
    model declares as data (``Model.tensor_plan``, ``hpctrain.parallel.tensor``);
 3. pipeline parallelism (``pp > 1``) keeps only this rank's stage(s) of the model's
    pipeline pieces and runs a schedule of microbatches (``hpctrain.parallel.pipeline``);
-4. data parallelism is applied by the training loop around whatever engine results.
+4. data parallelism is applied by the training loop around whatever engine results;
+   here the model is only handed the sum over the data group (``Model.share_batch``)
+   for statistics of the global batch (BatchNorm), when dp > 1.
 
 An engine exposes what the training loop needs (``LocalEngine`` is the reference):
 
@@ -42,6 +44,7 @@ from typing import Any
 from hpctrain.models.build import build_model
 from hpctrain.parallel.local import LocalEngine
 from hpctrain.parallel.pipeline import PipelineEngine
+from hpctrain.parallel.spatial import batchnorm_reduce
 from hpctrain.parallel.tensor import TensorParallelEngine, apply_tensor_parallel
 
 __all__ = ["LocalEngine", "build_engine"]
@@ -50,6 +53,8 @@ __all__ = ["LocalEngine", "build_engine"]
 def build_engine(cfg: Any, topo: Any):
     """This rank's engine for a validated config and its topology."""
     model = build_model(cfg.model, cfg.train.seed)
+    if topo.dp_size > 1:
+        model.share_batch(batchnorm_reduce(topo.dp_comm, category="dp_comm"))
     if topo.tp_size > 1:
         model = apply_tensor_parallel(model, cfg, topo.tp_comm)
     if topo.pp_size > 1:

@@ -27,6 +27,7 @@ class LocalEngine:
         self.microbatches = microbatches
         self.named_params = model.named_parameters()
         self.params = [p for _, p in self.named_params]
+        self.named_buffers = model.named_buffers()  # (BatchNorm's running statistics)
         self.on_grads_ready = None
         pieces = model.backward_pieces()
         self._final = None if pieces is None else _final_after_each_piece(pieces)
@@ -59,7 +60,7 @@ class LocalEngine:
         self.model.backward(cache, dloss=dloss, after_piece=lambda: ready(next(final)))
 
     def loss(self, x: np.ndarray, y: np.ndarray) -> float:
-        return float(self.model.forward(x, y)[0])
+        return self.model.eval_loss(x, y)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Class predictions (classifiers only)."""

@@ -378,10 +378,12 @@ class SpatialPool(Module):
 # sums over the spatial group
 
 
-def batchnorm_reduce(comm: Any) -> Callable[[np.ndarray], np.ndarray]:
+def batchnorm_reduce(comm: Any, category: str = "tp_comm"
+                     ) -> Callable[[np.ndarray], np.ndarray]:
     """BatchNorm's ``reduce`` hook over ``comm`` (the spatial group, or spatial x data for
-    statistics over the whole batch): an all-reduce SUM of the float64 statistics,
-    collective, once in forward and once in backward; ``serial_sum`` for one rank."""
+    statistics over the whole batch; the data group for synchronised BatchNorm): an
+    all-reduce SUM of the float64 statistics, collective, once in forward and once in
+    backward, traced under ``category``; ``serial_sum`` for one rank."""
     if comm.Get_size() == 1:
         return serial_sum
 
@@ -389,7 +391,7 @@ def batchnorm_reduce(comm: Any) -> Callable[[np.ndarray], np.ndarray]:
         from mpi4py import MPI
 
         total = np.ascontiguousarray(a, dtype=np.float64).copy()
-        with trace.span("batchnorm_all_reduce", "tp_comm", bytes=total.nbytes):
+        with trace.span("batchnorm_all_reduce", category, bytes=total.nbytes):
             comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
         return total
 
