@@ -65,7 +65,7 @@ from hpctrain.checkpoint.reshard import (
     tiles,
 )
 from hpctrain.checkpoint.state import Held
-from hpctrain.checkpoint.writer import IOV_MAX, byte_views
+from hpctrain.checkpoint.writer import IOV_MAX, all_finite, byte_views
 
 RUN_BYTES = 8 << 20  # read_held's reads: checksums of one overlap the reading of the next
 _segments = functools.lru_cache(maxsize=4096)(segments)  # pure, and asked at every load
@@ -376,9 +376,7 @@ def verify(path: str | Path) -> tuple[Checkpoint, list[str]]:
                 except CheckpointError as err:
                     problems.append(str(err))
                     continue
-                with np.errstate(over="ignore", invalid="ignore"):
-                    finite = data.dtype.kind != "f" or bool(np.isfinite(data.sum()))
-                if not finite:
+                if not all_finite(data):
                     bad["nan"] += int(np.isnan(data).sum())
                     bad["inf"] += int(np.isinf(data).sum())
             if bad["nan"] or bad["inf"]:

@@ -33,7 +33,6 @@ from hpctrain.checkpoint.state import (
     set_optimizer_step,
 )
 from hpctrain.checkpoint.writer import NonFiniteState as NonFiniteState  # raised by save
-from hpctrain.checkpoint.writer import all_finite
 
 CHECKPOINTS = "checkpoints"  # the folder under the run folder
 
@@ -59,12 +58,6 @@ class Resumed:
     step: int
     schedule: dict  # optim.schedule.lr_at's keyword arguments
     meta: dict
-
-
-def non_finite(held: list) -> list[str]:
-    """Names of the held floating-point arrays with a nan or inf (``writer.all_finite``;
-    the save checks the pieces it writes the same way)."""
-    return [h.name for h in held if not all_finite(h.array)]
 
 
 def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
