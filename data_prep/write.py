@@ -1,4 +1,4 @@
-"""Writers of the three dataset formats; each file appears only once complete.
+"""Writers of the four dataset formats; each file appears only once complete.
 
 ``progress(total, label)`` is a context manager factory whose object has
 ``update(n)``; the CLI passes click progress bars, the default shows nothing.
@@ -17,6 +17,7 @@ from hpctrain.data.format import (
     RATINGS,
     TOKENS,
     VERSIONS,
+    VOLUMES,
     DataError,
     atomic_h5,
     check_output,
@@ -121,3 +122,44 @@ def write_ratings(out: Path, data: dict, *, compression: str = "none", force: bo
                         d.attrs["encoding"] = "utf-8"
                     bar.update(1)
     return {group: int(len(next(iter(data[group].values())))) for group in groups}
+
+
+HELDOUT_FRACTION = 0.25  # of the brain's extent along Z, at its top, kept from training
+
+
+def heldout_range(labels: np.ndarray) -> tuple[int, int]:
+    """``[start, stop)`` along Z (the last axis) held out from training: the top quarter
+    of the slices that hold any labelled voxel (at least one), and the empty slices
+    above them. A quarter of the brain, not of the volume: the volume's top quarter is
+    mostly air above the skull."""
+    z = labels.shape[2]
+    filled = np.flatnonzero(labels.reshape(-1, z).any(axis=0))
+    if len(filled) < 2:
+        raise DataError(f"a volume with {len(filled)} labelled slice(s) along Z (of {z}) "
+                        f"cannot be split into training and held-out parts; use a smaller "
+                        f"--downsample")
+    low, high = int(filled[0]), int(filled[-1]) + 1
+    return high - max(1, int((high - low) * HELDOUT_FRACTION)), z
+
+
+def write_volume(out: Path, data: dict, *, classes: tuple[str, ...], downsample: int,
+                 source: str, compression: str = "none", force: bool = False) -> dict:
+    """``image`` (X, Y, Z) f4 and ``labels`` (X, Y, Z) u1 of one volume (``data`` as
+    ``sources.mni152`` returns it), with what the loader and ``check_fits`` need in the
+    root attributes. Returns the attributes written."""
+    check_output(out, force)
+    image, labels = data["image"], data["labels"]
+    if image.ndim != 3 or image.shape != labels.shape:
+        raise DataError(f"image {image.shape} and labels {labels.shape} must be one 3-D shape")
+    if labels.size and labels.max() >= len(classes):
+        raise DataError(f"label {int(labels.max())} is not one of the {len(classes)} classes")
+    attrs = _header(VOLUMES) | {
+        "n_classes": len(classes), "classes": list(classes),
+        "volume_shape": list(image.shape), "spacing_mm": list(data["spacing_mm"]),
+        "downsample": downsample, "heldout": list(heldout_range(labels)),
+        "intensity_scale": data["intensity_scale"], "source": source,
+        "sources": data["sources"], "sources_sha256": data["sha256"]}
+    with atomic_h5(out, force=force, attrs=attrs) as h5:
+        write_array(h5, "image", image.astype(np.float32), compression)
+        write_array(h5, "labels", labels.astype(np.uint8), compression)
+    return attrs

@@ -21,6 +21,7 @@ from hpctrain.slurm.cli import slurm
 OVERRIDES = {
     "dp": "parallel.dp",
     "tp": "parallel.tp",
+    "sp": "parallel.sp",
     "pp": "parallel.pp",
     "microbatches": "parallel.microbatches",
     "schedule": "parallel.schedule",
@@ -38,6 +39,7 @@ OVERRIDES = {
     "async_save": "train.async_save",
     "stall_timeout": "train.stall_timeout",
     "max_skipped_steps": "train.max_skipped_steps",
+    "eval_split": "data.eval_split",
 }
 
 
@@ -60,6 +62,9 @@ def main() -> None:
               help="TOML file with [model], [parallel], [train] and [data] sections.")
 @click.option("--dp", type=int, help="Data-parallel size (default: ranks // (tp * pp)).")
 @click.option("--tp", type=int, help="Tensor-parallel size.")
+@click.option("--sp", type=int,
+              help="Spatial-parallel size: each sample split in slabs over this many ranks "
+                   "(convolutional models).")
 @click.option("--pp", type=int, help="Pipeline-parallel size (stages).")
 @click.option("--microbatches", type=int, help="Microbatches per step and data-parallel rank.")
 @click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved"]),
@@ -96,6 +101,10 @@ def main() -> None:
 @click.option("--max-skipped-steps", type=int,
               help="Stop the run after this many consecutive steps with a non-finite loss "
                    "or gradient norm (each is skipped: no update).")
+@click.option("--eval-split", metavar="SPLIT",
+              help="The dataset split to evaluate on: 'val' (token streams), 'test' "
+                   "(images), 'whole' or 'heldout' (volumes). With --resume of a finished "
+                   "run, evaluates its checkpoint.")
 @click.option("--resume", metavar="auto|PATH",
               help="Continue from a checkpoint: 'auto' is RUN_DIR/checkpoints/latest (or a "
                    "fresh start if there is none); PATH a run, checkpoints or step folder, "

@@ -52,6 +52,9 @@ class ModelConfig:
     hidden: tuple[int, ...] = (256, 256)  # MLP: hidden layer widths
     n_classes: int = 10
     channels: tuple[int, ...] = (32, 64)  # CNN: widths of its stages (two 3x3 convs each)
+    image_pad: int = 0  # CNN: zero pixels added on every side of each image
+    # 3-D segmentation: the (D, H, W) of one training crop and of one evaluation tile
+    crop: tuple[int, ...] = (32, 32, 32)
 
     @property
     def ffn_dim(self) -> int:
@@ -66,6 +69,10 @@ class ModelConfig:
 class ParallelConfig:
     dp: int = 0  # data-parallel size; 0 means world_size // (tp * pp)
     tp: int = 1  # tensor-parallel size (innermost: one node)
+    # spatial-parallel size: each sample's activations split into sp slabs along its
+    # first spatial axis (hpctrain.parallel.spatial); the innermost axis, like tp, so a
+    # model uses one of the two
+    sp: int = 1
     pp: int = 1  # pipeline stages
     microbatches: int = 1  # per optimizer step, per data-parallel rank
     schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved"
@@ -81,7 +88,12 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.sp * self.pp
+
+    @property
+    def inner(self) -> int:
+        """The size of the grid's innermost axis: tensor or spatial parallelism."""
+        return self.tp * self.sp
 
 
 @dataclass(frozen=True)
@@ -157,11 +169,17 @@ def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, f"{name} ({value!r}) must be one of {', '.join(choices)}")
 
 
+def _inner(par: ParallelConfig) -> tuple[str, int]:
+    """The name and size of the grid's innermost axis, as messages call it."""
+    return ("sp", par.sp) if par.sp > 1 else ("tp", par.tp)
+
+
 def _resolve_dp(par: ParallelConfig, world_size: int) -> ParallelConfig:
-    mp = par.tp * par.pp
+    mp = par.model_parallel_size
     if par.dp == 0:
+        name, size = _inner(par)
         _require(world_size % mp == 0,
-                 f"tp * pp ({par.tp} * {par.pp} = {mp}) must divide the number of "
+                 f"{name} * pp ({size} * {par.pp} = {mp}) must divide the number of "
                  f"ranks ({world_size}) to infer dp")
         return replace(par, dp=world_size // mp)
     return par
@@ -169,9 +187,10 @@ def _resolve_dp(par: ParallelConfig, world_size: int) -> ParallelConfig:
 
 def _check_parallel(par: ParallelConfig, world_size: int) -> None:
     _require(par.dp >= 1, f"dp ({par.dp}) must be at least 1")
-    total = par.dp * par.tp * par.pp
+    total = par.dp * par.model_parallel_size
+    name, size = _inner(par)
     _require(total == world_size,
-             f"dp * tp * pp ({par.dp} * {par.tp} * {par.pp} = {total}) must equal "
+             f"dp * {name} * pp ({par.dp} * {size} * {par.pp} = {total}) must equal "
              f"the number of ranks ({world_size})")
     _require(par.microbatches >= 1, f"microbatches ({par.microbatches}) must be at least 1")
     _require_choice("schedule", par.schedule, SCHEDULES)
@@ -199,6 +218,13 @@ def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
 
     _require(par.tp >= 1, f"tp ({par.tp}) must be at least 1")
     _require(par.pp >= 1, f"pp ({par.pp}) must be at least 1")
+    _require(par.sp >= 1, f"sp ({par.sp}) must be at least 1")
+    _require(par.tp == 1 or par.sp == 1,
+             f"tp ({par.tp}) and sp ({par.sp}) share the grid's innermost axis: one of "
+             f"them must be 1")
+    _require(par.pp == 1 or par.sp == 1,
+             f"spatial parallelism runs without pipelining: pp ({par.pp}) must be 1 "
+             f"when sp ({par.sp}) > 1")
     cls = model_class(m.kind)
     _check_model_keys(m, cls.config_keys, cls.name)
     _require_choice("dtype", m.dtype, DTYPES)
@@ -212,6 +238,10 @@ def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
     _require(par.pp == 1 or costs is not None,
              f"the {cls.name} declares no pipeline pieces: pp ({par.pp}) must be 1")
     cls.check_config(m, par)
+    if par.sp > 1:
+        _require(cls.spatial_axes(m) is not None,
+                 f"the {cls.name} declares no spatial split: sp ({par.sp}) must be 1")
+        cls.check_spatial(m, par.sp)
     if par.pp > 1:
         chunks = par.pp * par.virtual_stages
         _require(chunks <= len(costs.middle),

@@ -45,6 +45,8 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
         parts.append(f"val {rec['val_loss']:.4f}")
     if "val_accuracy" in rec:
         parts.append(f"acc {rec['val_accuracy']:.4f}")
+    parts += [f"{key[4:].replace('_', ' ')} {value:.4f}" for key, value in rec.items()
+              if key.startswith("val_dice_")]  # "dice 1 0.8123": the model's classes
     parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
               f"{rec['tokens_per_s']:,.0f} tok/s", f"{rec['step_time_s'] * 1e3:.0f} ms/step"]
     return " | ".join(parts)

@@ -15,6 +15,8 @@ Categories (``CATEGORIES``), the columns of the step breakdown:
 
     compute     forward and backward arithmetic (spans "F", "B")
     tp_comm     tensor-parallel collectives inside forward and backward
+    halo        spatial parallelism's transfers: halo exchanges and their scatter-adds,
+                gathers, the sums of gradients and losses over the spatial group
     pp_wait     pipeline sends and receives: the bubble plus the transfers
     dp_comm     data-parallel gradient reduction that backward did not hide
     optimizer   zeroing gradients, gradient norm, clipping, the update
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CATEGORIES = ("compute", "tp_comm", "pp_wait", "dp_comm", "optimizer", "data", "other")
+CATEGORIES = ("compute", "tp_comm", "halo", "pp_wait", "dp_comm", "optimizer", "data", "other")
 TRACE_FORMAT, TRACE_VERSION = "hpctrain-trace", 1
 
 

@@ -161,7 +161,7 @@ def _open_data(cfg: Config, topo: Topology):
     can take the data (``data.contents``)."""
     check_fits(read_contents(cfg.data.path), cfg.model)
     common = dict(batch_size=cfg.train.batch_size, dp_rank=topo.dp_rank,
-                  dp_size=topo.dp_size, seq_len=_sample_len(cfg))
+                  dp_size=topo.dp_size, seq_len=_sample_len(cfg), crop=cfg.model.crop)
     loader = open_loader(cfg.data.path, split="train", seed=cfg.train.seed,
                          prefetch=cfg.data.prefetch, **common)
     val = None
@@ -234,7 +234,8 @@ def _wait_for_save(background, writer) -> bool:
 def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, engine, dp,
               resumed, sched: dict) -> None:
     """Rank 0's opening lines: the layout, the memory, warnings, what was resumed."""
-    writer.say(f"hpctrain: {comm.Get_size()} rank(s), dp={topo.dp_size} tp={topo.tp_size} "
+    inner = f"sp={topo.sp_size}" if topo.spatial else f"tp={topo.tp_size}"
+    writer.say(f"hpctrain: {comm.Get_size()} rank(s), dp={topo.dp_size} {inner} "
                f"pp={topo.pp_size}, {threads} BLAS thread(s)/rank, {cfg.model.kind} shard "
                f"of {sum(p.data.size for p in engine.params):,} parameters on rank 0")
     mem = dp.memory()
@@ -242,7 +243,7 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
                f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
                f"{mem['grad_bytes'] / 2**20:.1f} MiB, optimizer state "
                f"{mem['optim_bytes'] / 2**20:.1f} MiB")
-    for warning in (tensor_group_warning(nodes, topo.tp_size), blas_spin_warning(threads)):
+    for warning in (tensor_group_warning(nodes, topo.shape.tp), blas_spin_warning(threads)):
         if warning:
             writer.say(warning)
     if resumed is not None:
@@ -272,7 +273,7 @@ def _write_trace(cfg: Config, comm, topo: Topology, tracer, path: str, writer) -
     written = trace.write_chrome(
         comm, tracer, path,
         process_name=f"rank {comm.Get_rank()} (dp {dp_rank}, pp {pp_rank}, tp {tp_rank})",
-        other={"dp": topo.dp_size, "tp": topo.tp_size, "pp": topo.pp_size,
+        other={"dp": topo.dp_size, "tp": topo.tp_size, "sp": topo.sp_size, "pp": topo.pp_size,
                "schedule": par.schedule if topo.pp_size > 1 else "none",
                "microbatches": par.microbatches, "virtual_stages": par.virtual_stages,
                "coords": coords})
@@ -322,8 +323,9 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
 
     loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, trace_path,
                  after_step)
-    if val is not None and resumed is None:
-        loop.evaluate(0, val, {"step": 0})
+    if val is not None and (resumed is None or first > t.steps):
+        # before the first step; or a checkpoint with no step left to train: evaluate it
+        loop.evaluate(first - 1, val, {"step": first - 1}, alone=True)
     if resumed is not None:
         loop.retention.saved(resumed.path.parent)  # pending until its first step is finite
     trace.align_origin(comm, loop.tracer)
@@ -423,17 +425,20 @@ class _Loop:
             record |= self.after_step()
         return record
 
-    def evaluate(self, step: int, val, record: dict[str, Any]) -> None:
+    def evaluate(self, step: int, val, record: dict[str, Any], alone: bool = False) -> None:
         """The validation loss (and the model's figures, e.g. accuracy) into ``record``
-        (collective); at step 0 the record is written at once."""
+        (collective); ``alone`` (before any step is trained) writes the record at once."""
         record["val_loss"], figures = evaluate(self.cfg, self.engine, val, self.topo.dp_comm)
         self.val_losses.append(record["val_loss"])
         self.accuracy = figures.get("accuracy")
         record |= {f"val_{name}": value for name, value in figures.items()}
-        if step == 0 and self.writer is not None:
+        if alone and self.writer is not None:
             self.writer.write(record)
             if not self.quiet:
-                self.writer.say(f"step 0/{self.cfg.train.steps} | val {record['val_loss']:.4f}")
+                shown = " | ".join(f"{name.replace('_', ' ')} {value:.4f}"
+                                   for name, value in figures.items())
+                self.writer.say(f"step {step}/{self.cfg.train.steps} | val "
+                                f"{record['val_loss']:.4f}" + (f" | {shown}" if shown else ""))
 
     def report(self, record: dict[str, Any]) -> None:
         """Rank 0: the record into metrics.jsonl, and the progress line."""

@@ -513,5 +513,5 @@ def start(topo: Any, tracer: trace.Tracer, timeout: float, **options) -> Watchdo
         return NullWatchdog()
     c = topo.coords
     watch = Watchdog(topo.watch_comm, tracer, timeout, coords=(c.pp, c.dp, c.tp),
-                     shape=(topo.dp_size, topo.tp_size, topo.pp_size), **options)
+                     shape=(topo.shape.dp, topo.shape.tp, topo.shape.pp), **options)
     return watch.start(owner=sys._getframe(1))

@@ -21,7 +21,7 @@ from data_prep.cli import main
 from hpctrain.data.format import LAYOUTS, MANIFEST_NAME, VERSIONS
 from hpctrain.data.manifest import element_ranges, read_manifest
 
-COMMANDS = ["text", "fashion-mnist", "movielens", "partition", "inspect", "verify"]
+COMMANDS = ["text", "fashion-mnist", "movielens", "mni152", "partition", "inspect", "verify"]
 
 
 def run(*args):

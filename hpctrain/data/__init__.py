@@ -2,7 +2,8 @@
 
 ``format`` holds the on-disk formats (names, versions, checks, checksums, atomic
 writes), ``manifest`` the partition manifests and the shard-to-rank assignment,
-``stores`` the readers of token windows and image rows, ``loader`` the batch streams.
+``stores`` the readers of token windows and image rows, ``loader`` the batch streams,
+``volumes`` the training crops and evaluation tiles of one 3-D volume.
 """
 
 from hpctrain.data.format import DataError

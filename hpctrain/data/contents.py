@@ -8,12 +8,16 @@ writes them; a partition copies them into every shard and into its manifest):
 
     hpctrain.tokens   vocab_size (the tokenizer's: 256 for bytes), max_token
     hpctrain.images   n_classes, classes; the image shape is that of the datasets
+    hpctrain.volumes  n_classes, classes, volume_shape (X, Y, Z), heldout [start, stop)
+                      along Z, spacing_mm, downsample
     hpctrain.ratings  (no training loader yet)
 
 ``read_contents(path)`` returns them as ``Contents``; ``check_fits(contents, model)``
 raises a ``DataError`` naming both values and the fix when the model cannot take the
 data: a vocabulary smaller than the data's, a classifier with fewer classes or
-another input size, an image dataset given to a language model or the reverse.
+another input size, an image dataset given to a language model or the reverse, a
+segmentation model with another number of classes or a crop that does not fit the
+volume.
 Training runs it on every rank before the first step (``startup_check``), so a wrong
 pairing is one clear line instead of an ``IndexError`` deep inside the embedding.
 """
@@ -33,6 +37,7 @@ from hpctrain.data.format import (
     REMEDY,
     SHARD,
     TOKENS,
+    VOLUMES,
     DataError,
     open_h5,
     read_format,
@@ -40,7 +45,9 @@ from hpctrain.data.format import (
 from hpctrain.data.manifest import resolve
 
 # the root attributes that describe a dataset's contents (copied by partitioning)
-CONTENT_ATTRS = ("vocab_size", "max_token", "n_classes", "classes", "image_shape")
+CONTENT_ATTRS = ("vocab_size", "max_token", "n_classes", "classes", "image_shape",
+                 "volume_shape", "heldout")
+WHAT = {TOKENS: "a token stream", IMAGES: "images", VOLUMES: "a 3-D volume"}  # for messages
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,16 @@ class Contents:
     max_token: int | None = None
     n_classes: int | None = None
     image_shape: tuple[int, ...] | None = None
+    volume_shape: tuple[int, ...] | None = None  # (X, Y, Z)
+    heldout: tuple[int, int] | None = None  # [start, stop) along Z, kept from training
 
 
 def _int(value) -> int | None:
     return None if value is None else int(value)
+
+
+def _ints(value) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(v) for v in value)
 
 
 def contents_of(f: h5py.File, path: Path, data_format: str) -> Contents:
@@ -68,9 +81,12 @@ def contents_of(f: h5py.File, path: Path, data_format: str) -> Contents:
             if f"{split}/images" in f:
                 shape = f[f"{split}/images"].shape[1:]
                 break
+    volume = a.get("volume_shape")
+    if volume is None and data_format == VOLUMES and "image" in f:
+        volume = f["image"].shape
     return Contents(path, data_format, _int(a.get("vocab_size")), _int(a.get("max_token")),
-                    _int(a.get("n_classes")),
-                    None if shape is None else tuple(int(s) for s in shape))
+                    _int(a.get("n_classes")), _ints(shape), _ints(volume),
+                    _ints(a.get("heldout")))
 
 
 def read_contents(path: str | Path) -> Contents:
@@ -108,14 +124,16 @@ def check_fits(c: Contents, model: Any) -> None:
     if model.kind not in wants:
         want = " or ".join(wants)
         settings = " or ".join(f'"{k}"' for k in wants)
-        what = "a token stream" if c.format == TOKENS else "images"
+        what = WHAT.get(c.format, "data")
         raise DataError(f"{c.path}: holds {what} ({c.format}), which a {want} model trains "
                         f"on; the config's [model] kind is {model.kind!r}: set kind = "
                         f"{settings}, or point [data] path at {_data_for(model.kind)}")
     if c.format == TOKENS:
         _check_tokens(c, model)
-    else:
+    elif c.format == IMAGES:
         _check_images(c, model)
+    elif c.format == VOLUMES:
+        _check_volume(c, model)
 
 
 def _data_for(kind: str) -> str:
@@ -151,3 +169,29 @@ def _check_images(c: Contents, model: Any) -> None:
         raise DataError(f"{c.path}: holds {c.n_classes} classes; the model's n_classes "
                         f"({model.n_classes}) must be at least {c.n_classes}: set [model] "
                         f"n_classes = {c.n_classes}")
+
+
+def _check_volume(c: Contents, model: Any) -> None:
+    if c.n_classes is not None and model.n_classes != c.n_classes:
+        raise DataError(f"{c.path}: holds {c.n_classes} classes; the model's n_classes "
+                        f"({model.n_classes}) must equal {c.n_classes}: set [model] "
+                        f"n_classes = {c.n_classes}")
+    crop = tuple(model.crop)
+    if len(crop) != 3:
+        raise DataError(f"{c.path}: holds a 3-D volume; the model's crop {list(crop)} must be 3 "
+                        f"sizes (D, H, W): set [model] crop = [32, 32, 32] or another")
+    if c.volume_shape is None:
+        return
+    # the largest crop that fits: the volume's side, and along Z the training region
+    room = list(c.volume_shape)
+    if c.heldout is not None:
+        room[2] = min(room[2], c.heldout[0])
+    if all(1 <= k <= r for k, r in zip(crop, room, strict=True)):
+        return
+    fit = [max(1, min(k, r)) for k, r in zip(crop, room, strict=True)]
+    dims = " x ".join(map(str, c.volume_shape))
+    train = "" if c.heldout is None or c.heldout[0] >= c.volume_shape[2] else \
+        f", of which Z [0, {c.heldout[0]}) is for training"
+    raise DataError(f"{c.path}: holds a volume of {dims} voxels{train}; every entry of the "
+                    f"model's crop {list(crop)} must be at least 1 and fit in "
+                    f"{' x '.join(map(str, room))}: set [model] crop = {fit}")

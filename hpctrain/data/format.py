@@ -9,6 +9,8 @@ splits tables by rows and copies *replicated* groups whole into every shard::
     hpctrain.images    train: train/images (N, 28, 28) u1, train/labels (N,) u1 -
                        test:  test/images, test/labels
     hpctrain.ratings   ratings: ratings/{user,item} i4, rating f4, timestamp i8 users, items
+    hpctrain.volumes   volume: image (X, Y, Z) f4, labels (X, Y, Z) u1 (one 3-D volume,
+                       read whole: never split by rows, never partitioned)
     hpctrain.shard     the datasets of its source format, holding only its rows in
                        ascending source order, plus partition/<table> (r, 2) i8: the
                        [start, stop) row ranges it holds, in source rows
@@ -41,9 +43,10 @@ import numpy as np
 TOKENS = "hpctrain.tokens"
 IMAGES = "hpctrain.images"
 RATINGS = "hpctrain.ratings"
+VOLUMES = "hpctrain.volumes"
 SHARD = "hpctrain.shard"
 MANIFEST = "hpctrain.manifest"
-VERSIONS = {TOKENS: 1, IMAGES: 1, RATINGS: 1, SHARD: 1, MANIFEST: 1}
+VERSIONS = {TOKENS: 1, IMAGES: 1, RATINGS: 1, VOLUMES: 1, SHARD: 1, MANIFEST: 1}
 MANIFEST_NAME = "manifest.h5"
 
 # What to run to (re)make a file of each format; error messages end with it.
@@ -51,6 +54,7 @@ REMEDY = {
     TOKENS: "hpctrain-prep text",
     IMAGES: "hpctrain-prep fashion-mnist",
     RATINGS: "hpctrain-prep movielens",
+    VOLUMES: "hpctrain-prep mni152",
     SHARD: "hpctrain-prep partition",
     MANIFEST: "hpctrain-prep partition",
 }
@@ -75,6 +79,7 @@ class Layout:
     tables: dict[str, tuple[Column, ...]]
     replicated: tuple[str, ...] = ()
     unit: str = "row"  # what one element along axis 0 is, for messages
+    whole: bool = False  # one array per column, all of one shape: read whole, not by rows
 
     def columns(self) -> Iterator[Column]:
         for cols in self.tables.values():
@@ -94,6 +99,8 @@ LAYOUTS = {
                                         Column("ratings/rating", 1, "f4"),
                                         Column("ratings/timestamp", 1, "i8"))},
                     replicated=("users", "items")),
+    VOLUMES: Layout(tables={"volume": (Column("image", 3, "f4"), Column("labels", 3, "u1"))},
+                    whole=True),
 }
 
 
@@ -170,6 +177,10 @@ def check_file(f: h5py.File, path: str | Path) -> FileInfo:
             lengths[col.path] = dset.shape[0]
         if len(set(lengths.values())) > 1:
             raise DataError(f"{path}: datasets of table {table!r} differ in length: {lengths}")
+        shapes = {col.path: f[col.path].shape for col in cols}
+        if layout.whole and len(set(shapes.values())) > 1:
+            raise DataError(f"{path}: datasets of table {table!r} differ in shape: {shapes}; "
+                            f"re-run {REMEDY[name]}")
     return FileInfo(Path(path), name, version, data_format, layout, attrs)
 
 

@@ -17,6 +17,9 @@ the serial loss curve::
             global sample j = perm_{j // N}[j % N]; step s draws j in [s*B, (s+1)*B)
             rank r takes j in [s*B + r*b, s*B + (r+1)*b)         x (b, 784) float32
 
+A 3-D volume (``hpctrain.volumes``) is read whole; its training crops and evaluation
+tiles, global across dp in the same way, are drawn in ``volumes.py``.
+
 Partition manifest: rank r opens only the shards ``assign_shards(S, dp)[r]`` gives it
 and draws b samples per step from them alone, with streams seeded by (seed, rank):
 windows from ``rng(seed, rank, step)``, rows from a per-epoch permutation
@@ -50,6 +53,7 @@ from hpctrain.data.format import (
     MANIFEST,
     SHARD,
     TOKENS,
+    VOLUMES,
     DataError,
     check_file,
     open_h5,
@@ -217,23 +221,43 @@ class Loader:
 
 def open_loader(path: str | Path, *, split: str = "train", batch_size: int, dp_rank: int = 0,
                 dp_size: int = 1, seed: int, seq_len: int | None = None,
-                prefetch: bool = False, direct: bool = True) -> Loader:
+                prefetch: bool = False, direct: bool = True,
+                crop: tuple[int, int, int] | None = None) -> Loader:
     """Open this rank's loader on a dataset file, a shard file or a partition manifest.
 
-    ``seq_len`` (T) is required for token streams and ignored for images. Splits are
-    "train" and "val" in a token stream, "train" and "test" in an image file.
+    ``seq_len`` (T) is required for token streams and ignored otherwise; ``crop``
+    (D, H, W) is required for a volume and ignored otherwise. Splits are "train" and
+    "val" in a token stream, "train" and "test" in an image file, "train" in a volume.
     ``direct`` reads uncompressed chunks from a memory map of the file instead of
     through h5py (``stores.DirectRows``); the batches are the same either way.
     """
+    if _data_format(path) == VOLUMES:
+        from hpctrain.data.volumes import open_volume_loader
+
+        return open_volume_loader(resolve(path), split=split, batch_size=batch_size,
+                                  dp_rank=dp_rank, dp_size=dp_size, seed=seed, crop=crop,
+                                  prefetch=prefetch)
     return _open(path, split, batch_size, dp_rank, dp_size, seed, seq_len, prefetch,
                  train=True, direct=direct)
 
 
 def eval_batches(path: str | Path, *, split: str = "val", batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seq_len: int | None = None, num_batches: int = 8
+                 dp_size: int = 1, seq_len: int | None = None, num_batches: int = 8,
+                 crop: tuple[int, int, int] | None = None
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Fixed validation batches, the same at every call: token windows drawn with a
-    fixed seed, or image rows in file order; global across dp as in training."""
+    fixed seed, or image rows in file order; global across dp as in training.
+
+    A volume (splits "whole" and "heldout") gives the batches of tiles that cover the
+    split: all of them, unless ``num_batches`` is positive and smaller than their
+    number (then the first ``num_batches``, covering part of the split).
+    """
+    if _data_format(path) == VOLUMES:
+        from hpctrain.data.volumes import volume_eval_batches
+
+        return volume_eval_batches(resolve(path), split=split, batch_size=batch_size,
+                                   dp_rank=dp_rank, dp_size=dp_size, crop=crop,
+                                   num_batches=num_batches)
     with _open(path, split, batch_size, dp_rank, dp_size, EVAL_SEED, seq_len, False,
                train=False, direct=True) as loader:
         return [loader.batch(s) for s in range(num_batches)]
@@ -251,6 +275,16 @@ def _check_args(batch_size: int, dp_rank: int, dp_size: int, seed: int) -> None:
                         f"dp_size ({dp_size})")
     if seed < 0:
         raise DataError(f"seed ({seed}) must not be negative")
+
+
+def _data_format(path: str | Path) -> str:
+    """The data format of a dataset file, a shard or a manifest (its source's)."""
+    path = resolve(path)
+    with open_h5(path) as f:
+        name, _ = read_format(f, path)
+        if name in (SHARD, MANIFEST):
+            return str(f.attrs.get("source_format", ""))
+    return name
 
 
 def _open(path, split, batch_size, dp_rank, dp_size, seed, seq_len, prefetch, *, train,

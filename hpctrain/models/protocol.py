@@ -32,8 +32,25 @@ Optional, each one a layout or a feature (the defaults here decline it):
                                      model that trains and evaluates differently
                                      (BatchNorm's running statistics) overrides it
     share_batch(reduce)              reduce(a): the sum of a over the ranks sharing
-                                     each batch (the data group, given when dp > 1),
-                                     for statistics of the whole batch (BatchNorm)
+                                     each batch (the data group, given when dp > 1;
+                                     times the spatial group when sp > 1), for
+                                     statistics of the whole batch (BatchNorm)
+    spatial_axes(m)                  the axes of its activations (N, C, *S) that may be
+                                     split in space (sp > 1 splits the first), or None
+    check_spatial(m, sp)             raise ConfigError if sp slabs do not fit (a size
+                                     sp does not divide, a slab thinner than a halo)
+    split_space(space)               take a ``Space``: this rank's slab of each sample
+
+Spatial parallelism (``hpctrain.parallel.spatial_engine``). The engine swaps every
+convolution and pooling layer for its slab form and hands the model a ``Space``; the
+model takes its slab of each input (``space.take``) and, where a layer needs the
+whole sample (a classifier's head), gathers it (``space.gather`` forward,
+``space.gather_backward`` in backward). Every sp rank runs the same samples; what
+each returns is its *share*: forward's loss, ``eval_loss``, the sums of
+``eval_metrics`` and every parameter gradient are summed over the spatial group by
+the engine. A per-voxel loss's share is the sum over the slab divided by the
+whole count; a value every rank computes whole (the classifier's loss after the
+gather) is divided by ``space.size``, or counted on ``space.rank == 0`` only.
 
 Stage balancing cuts only between middle pieces: the first piece rides with the first
 chunk, the last with the last chunk.
@@ -50,6 +67,41 @@ import numpy as np
 from hpctrain.nn import Module, Parameter
 
 P = TypeVar("P")
+
+
+def _whole(a: np.ndarray, *_: Any) -> np.ndarray:
+    return a
+
+
+@dataclass(frozen=True)
+class Space:
+    """This rank's share of every sample's space: rows ``[rank n, (rank + 1) n)`` of
+    axis ``axis`` of each activation (N, C, *S), ``n = L / size``. The default is the
+    whole sample on one rank (serial, and every layout without sp).
+
+    ``gather(a)``: the whole along ``axis`` from every rank's slab (an all-gather);
+    ``gather_backward(da)``: its conjugate in backward, this rank's slab of the sum of
+    every rank's ``da`` (a reduce-scatter): each rank's gradient of the whole is a
+    share; ``sum(a)``: the sum of ``a`` over the group (a count of valid voxels).
+    All three collective over the spatial group.
+    """
+
+    rank: int = 0
+    size: int = 1
+    axis: int = 2
+    gather: Callable[[np.ndarray], np.ndarray] = _whole
+    gather_backward: Callable[[np.ndarray], np.ndarray] = _whole
+    sum: Callable[[np.ndarray], np.ndarray] = _whole  # all-reduce over the group
+
+    def take(self, a: np.ndarray, axis: int | None = None) -> np.ndarray:
+        """This rank's slab of ``a`` along ``axis`` (default: the split axis)."""
+        if self.size == 1:
+            return a
+        axis = self.axis if axis is None else axis
+        n = a.shape[axis] // self.size
+        index = [slice(None)] * a.ndim
+        index[axis] = slice(self.rank * n, (self.rank + 1) * n)
+        return a[tuple(index)]
 
 
 class Pieces(NamedTuple, Generic[P]):
@@ -81,6 +133,7 @@ class TensorPlan:
 class Model(Module):
     """The base of every registered model: the declarations above, and their defaults."""
 
+    space: Space = Space()  # the whole of each sample, until split_space
     name: str = "model"
     data_format: str = ""
     config_keys: tuple[str, ...] = ()
@@ -123,3 +176,14 @@ class Model(Module):
 
     def share_batch(self, reduce: Callable[[np.ndarray], np.ndarray]) -> None:
         """Nothing: each sample's loss depends on that sample only."""
+
+    @classmethod
+    def spatial_axes(cls, m: Any) -> tuple[int, ...] | None:
+        return None  # no spatial parallelism: sp must be 1
+
+    @classmethod
+    def check_spatial(cls, m: Any, sp: int) -> None:
+        """Raise ConfigError if ``sp`` slabs do not fit the model's activations."""
+
+    def split_space(self, space: Space) -> None:
+        raise NotImplementedError(f"the {self.name} cannot be split in space")

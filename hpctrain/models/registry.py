@@ -12,11 +12,13 @@ from hpctrain.models.cnn import CNNClassifier
 from hpctrain.models.gpt import GPT
 from hpctrain.models.mlp import MLPClassifier
 from hpctrain.models.protocol import Model
+from hpctrain.models.seg3d import Seg3D
 
 MODELS: dict[str, type[Model]] = {
     "gpt": GPT,
     "mlp": MLPClassifier,
     "cnn": CNNClassifier,
+    "seg3d": Seg3D,
 }
 
 

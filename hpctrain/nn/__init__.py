@@ -2,7 +2,7 @@
 
 from hpctrain.nn.attention import AttentionCache, CausalSelfAttention
 from hpctrain.nn.batchnorm import BatchNorm, BatchNormCache, serial_sum
-from hpctrain.nn.blocks import ResidualBlock, ResidualBlockCache
+from hpctrain.nn.blocks import ConvBNReLU, ConvBNReLUCache, ResidualBlock, ResidualBlockCache
 from hpctrain.nn.conv import (
     Conv2d,
     Conv3d,
@@ -49,6 +49,8 @@ __all__ = [
     "BatchNormCache",
     "CausalSelfAttention",
     "Conv2d",
+    "ConvBNReLU",
+    "ConvBNReLUCache",
     "Conv3d",
     "ConvCache",
     "ConvNd",

@@ -1,5 +1,8 @@
 """Blocks built from the convolutional layers, forward and backward side by side.
 
+``ConvBNReLU`` is the plain unit of VGG-style and U-Net-style networks, 2-D or 3-D:
+``y = relu(bn(conv3(x)))``, padding 1, no convolution bias (BatchNorm has one).
+
 ``ResidualBlock`` is ResNet's basic block (He et al. 2015), on 2-D or 3-D inputs:
 
     x -> conv3 (stride s) -> bn -> relu -> conv3 -> bn --+-> relu -> y
@@ -20,6 +23,39 @@ import numpy as np
 from hpctrain.nn.batchnorm import BatchNorm, BatchNormCache, serial_sum
 from hpctrain.nn.conv import ConvCache, ConvNd, ReLU
 from hpctrain.nn.module import Module
+
+
+class ConvBNReLUCache(NamedTuple):
+    conv: ConvCache
+    bn: BatchNormCache
+    relu: np.ndarray  # the ReLU's mask
+
+
+class ConvBNReLU(Module):
+    """``y = relu(bn(conv3(x)))``, padding 1: (N, C, *S) -> (N, O, *S)."""
+
+    def __init__(self, nd: int, in_channels: int, out_channels: int, *,
+                 rng: np.random.Generator, dtype=np.float32,
+                 reduce: Callable[[np.ndarray], np.ndarray] = serial_sum):
+        self.conv = ConvNd(nd, in_channels, out_channels, 3, padding=1, bias=False, rng=rng,
+                           dtype=dtype)
+        self.bn = BatchNorm(out_channels, reduce=reduce, dtype=dtype)
+        self.relu = ReLU()
+
+    def forward(self, x: np.ndarray, train: bool = True
+                ) -> tuple[np.ndarray, ConvBNReLUCache]:
+        # x (N, C, *S) -> y (N, O, *S)
+        h, conv = self.conv.forward(x)
+        h, bn = self.bn.forward(h, train)
+        y, relu = self.relu.forward(h)
+        return y, ConvBNReLUCache(conv, bn, relu)
+
+    def backward(self, dy: np.ndarray, cache: ConvBNReLUCache,
+                 need_dx: bool = True) -> np.ndarray | None:
+        # dy (N, O, *S) -> dx (N, C, *S), or None with need_dx=False (the first layer)
+        d = self.relu.backward(dy, cache.relu)
+        d = self.bn.backward(d, cache.bn)
+        return self.conv.backward(d, cache.conv, need_dx)
 
 
 class ResidualBlockCache(NamedTuple):

@@ -11,9 +11,12 @@ no model: it reads what the model declares (``hpctrain.models.protocol``):
    model declares as data (``Model.tensor_plan``, ``hpctrain.parallel.tensor``);
 3. pipeline parallelism (``pp > 1``) keeps only this rank's stage(s) of the model's
    pipeline pieces and runs a schedule of microbatches (``hpctrain.parallel.pipeline``);
-4. data parallelism is applied by the training loop around whatever engine results;
-   here the model is only handed the sum over the data group (``Model.share_batch``)
-   for statistics of the global batch (BatchNorm), when dp > 1.
+4. spatial parallelism (``sp > 1``) puts the model's window layers on slabs of each
+   sample and sums the ranks' shares (``hpctrain.parallel.spatial_engine``);
+5. data parallelism is applied by the training loop around whatever engine results;
+   here the model is only handed the sum over the ranks sharing a batch (data group
+   times spatial group, ``Model.share_batch``) for statistics of the global batch
+   (BatchNorm), when there is more than one.
 
 An engine exposes what the training loop needs (``LocalEngine`` is the reference):
 
@@ -45,6 +48,7 @@ from hpctrain.models.build import build_model
 from hpctrain.parallel.local import LocalEngine
 from hpctrain.parallel.pipeline import PipelineEngine
 from hpctrain.parallel.spatial import batchnorm_reduce
+from hpctrain.parallel.spatial_engine import SpatialEngine, apply_spatial
 from hpctrain.parallel.tensor import TensorParallelEngine, apply_tensor_parallel
 
 __all__ = ["LocalEngine", "build_engine"]
@@ -53,8 +57,12 @@ __all__ = ["LocalEngine", "build_engine"]
 def build_engine(cfg: Any, topo: Any):
     """This rank's engine for a validated config and its topology."""
     model = build_model(cfg.model, cfg.train.seed)
-    if topo.dp_size > 1:
-        model.share_batch(batchnorm_reduce(topo.dp_comm, category="dp_comm"))
+    if topo.batch_comm.Get_size() > 1:
+        category = "halo" if topo.spatial else "dp_comm"
+        model.share_batch(batchnorm_reduce(topo.batch_comm, category=category))
+    if topo.spatial:
+        return SpatialEngine(apply_spatial(model, topo.sp_comm), cfg.parallel.microbatches,
+                             topo.sp_comm)
     if topo.tp_size > 1:
         model = apply_tensor_parallel(model, cfg, topo.tp_comm)
     if topo.pp_size > 1:

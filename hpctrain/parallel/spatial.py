@@ -37,8 +37,7 @@ them over the spatial group (and the data group, with its own call or a communic
 that spans both). BatchNorm needs its statistics over the whole spatial group:
 ``batchnorm_reduce(comm)`` is its ``reduce`` hook. Communicators are arguments; in a
 training run they would come from ``Topology`` (see the end of this docstring).
-Spans use the ``tp_comm`` category: like tensor parallelism's collectives, halo
-transfers run inside forward and backward over a model-splitting group.
+Spans use the ``halo`` category of the step breakdown (``hpctrain.trace``).
 
 Proposed grid with a fourth axis ``sp`` (not yet in ``Topology``), between tensor
 and data parallelism so that a spatial group sits on one node::
@@ -153,6 +152,21 @@ def window_halo(length: int, size: int, kernel: int, stride: int = 1, dilation: 
     return Halo(length, out, before, after)
 
 
+def check_chain(length: int, size: int, chain: Sequence, what: str = "layer") -> int:
+    """Walk a model's operations along its split axis over ``size`` slabs (pure): each
+    entry a window ``(kernel, stride, dilation, (lo, hi))`` checked by ``window_halo``,
+    or an int ``f``, nearest upsampling by f. Returns the final global length; raises
+    ValueError naming the first operation that does not fit."""
+    for i, op in enumerate(chain):
+        if isinstance(op, int):
+            length *= op
+            continue
+        kernel, stride, dilation, pads = op
+        length = window_halo(length, size, kernel, stride, dilation, pads,
+                             f"{what} {i}").out_length
+    return length
+
+
 # ---------------------------------------------------------------------------------
 # the conjugate pair
 
@@ -224,7 +238,7 @@ def _transfer(comm: Any, sends: dict, recvs: dict, name: str, axis: int) -> None
     from mpi4py import MPI
 
     nbytes = sum(v.nbytes for v in sends.values())
-    with trace.span(name, "tp_comm", axis=axis, bytes=nbytes):
+    with trace.span(name, "halo", axis=axis, bytes=nbytes):
         reqs = [comm.Irecv(buf, source=peer, tag=tag) for (peer, tag), buf in recvs.items()]
         keep = [np.ascontiguousarray(v) for v in sends.values()]  # alive until Waitall
         reqs += [comm.Isend(buf, dest=peer, tag=tag)
@@ -319,6 +333,9 @@ class SpatialConv(Module):
     spatial group gives the serial ones. Transfers over each split's communicator."""
 
     def __init__(self, conv: ConvNd, splits: Sequence[tuple[int, Any]]):
+        # the conv's parameters first, under its own names (``weight``, ``bias``): a
+        # model's parameter names, and so its checkpoints, do not depend on sp
+        self.weight, self.bias = conv.weight, conv.bias
         self.conv = conv
         self.splits = _splits(splits, conv.nd)
         self.local_pads = _local_pads(conv.pads, self.splits)
@@ -378,7 +395,7 @@ class SpatialPool(Module):
 # sums over the spatial group
 
 
-def batchnorm_reduce(comm: Any, category: str = "tp_comm"
+def batchnorm_reduce(comm: Any, category: str = "halo"
                      ) -> Callable[[np.ndarray], np.ndarray]:
     """BatchNorm's ``reduce`` hook over ``comm`` (the spatial group, or spatial x data for
     statistics over the whole batch; the data group for synchronised BatchNorm): an
@@ -408,7 +425,7 @@ def sum_gradients(params: Sequence[Parameter], comm: Any) -> None:
 
     dtype = np.result_type(*[p.grad.dtype for p in params])
     flat = np.concatenate([p.grad.ravel().astype(dtype, copy=False) for p in params])
-    with trace.span("sum_gradients", "tp_comm", bytes=flat.nbytes):
+    with trace.span("sum_gradients", "halo", bytes=flat.nbytes):
         comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
     start = 0
     for p in params:

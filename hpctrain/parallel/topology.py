@@ -40,6 +40,27 @@ nodes (even ranks on one, odd on the other), dp = 8: ``dp_nodes`` is
 ((0, 2, 4, 6), (1, 3, 5, 7)), the leaders are ranks 0 and 1. ``NodeLayout`` tells
 whether a tensor group spans nodes.
 
+Spatial parallelism (``sp``) shares the innermost axis with tensor parallelism: a
+model splits either its weights over it (tp) or each sample's activations (sp,
+``spatial.py``), never both, so ``GridShape.tp`` is the size of that axis and the
+inner group is ``tp_comm`` either way. Spatial neighbours exchange halos at every
+convolution, the most frequent transfers of a convolutional net, so they too belong
+on one node. ``Topology.sp_comm`` is the inner group when ``sp > 1`` (then
+``tp_size`` is 1), and ``batch_comm`` joins every rank holding a part of one global
+batch: the data group times the spatial group, over which BatchNorm sums its
+statistics. 8 ranks with dp = 2, sp = 4 (``GridShape(dp=2, tp=4, pp=1)``)::
+
+    rank | dp sp | spatial group  data group  batch group
+    -----+-------+---------------------------------------
+      0  |  0  0 |   [0..3]        [0, 4]      [0..7]
+      1  |  0  1 |   [0..3]        [1, 5]      [0..7]
+      2  |  0  2 |   [0..3]        [2, 6]      [0..7]
+      3  |  0  3 |   [0..3]        [3, 7]      [0..7]
+      4  |  1  0 |   [4..7]        [0, 4]      [0..7]
+      5  |  1  1 |   [4..7]        [1, 5]      [0..7]
+      6  |  1  2 |   [4..7]        [2, 6]      [0..7]
+      7  |  1  3 |   [4..7]        [3, 7]      [0..7]
+
 The arithmetic (``coords``, ``rank_of``, ``group_ranks``, ``group_by_node``) is pure
 and tested without MPI. ``Topology.build`` is the one place where communicators are
 created; everything else receives the communicator it uses as an argument.
@@ -164,6 +185,8 @@ class Topology:
     dp_nodes: tuple[tuple[int, ...], ...]
     ckpt_comm: Any = None
     watch_comm: Any = None
+    spatial: bool = False  # the inner axis splits samples in space (sp), not weights (tp)
+    batch_comm: Any = None  # the data group times the spatial group (dp_comm when sp = 1)
 
     @classmethod
     def build(cls, comm: Any, parallel: Any, node_key: int | None = None) -> Topology:
@@ -175,11 +198,12 @@ class Topology:
         """
         from mpi4py import MPI
 
-        shape = GridShape(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp)
+        sp = getattr(parallel, "sp", 1)
+        shape = GridShape(dp=parallel.dp, tp=parallel.tp * sp, pp=parallel.pp)
         if shape.world_size != comm.Get_size():
-            raise ValueError(f"dp * tp * pp ({parallel.dp} * {parallel.tp} * {parallel.pp} = "
-                             f"{shape.world_size}) must equal the communicator size "
-                             f"({comm.Get_size()})")
+            raise ValueError(f"dp * tp * sp * pp ({parallel.dp} * {parallel.tp} * {sp} * "
+                             f"{parallel.pp} = {shape.world_size}) must equal the "
+                             f"communicator size ({comm.Get_size()})")
         rank = comm.Get_rank()
         c = shape.coords(rank)
         # color: which group; key: the rank's position inside it
@@ -193,9 +217,13 @@ class Topology:
         leader = dp_node_comm.Get_rank() == 0
         dp_leader_comm = dp_comm.Split(color=0 if leader else MPI.UNDEFINED, key=c.dp)
         dp_nodes = group_by_node(dp_comm.allgather(node_id))
+        spatial = sp > 1
+        batch_comm = (comm.Split(color=c.pp, key=c.dp * shape.tp + c.tp) if spatial
+                      else dp_comm)
         return cls(shape, rank, comm, tp_comm, dp_comm, pp_comm, model_comm, node_comm,
                    dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes, dp_nodes,
-                   comm.Dup(), watch_comm=comm.Dup())
+                   comm.Dup(), watch_comm=comm.Dup(), spatial=spatial,
+                   batch_comm=batch_comm)
 
     @property
     def coords(self) -> Coords:
@@ -207,7 +235,20 @@ class Topology:
 
     @property
     def tp_rank(self) -> int:
-        return self.coords.tp
+        return 0 if self.spatial else self.coords.tp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.coords.tp if self.spatial else 0
+
+    @property
+    def sp_size(self) -> int:
+        return self.shape.tp if self.spatial else 1
+
+    @property
+    def sp_comm(self) -> Any:
+        """The spatial group (the inner group when sp > 1), else None."""
+        return self.tp_comm if self.spatial else None
 
     @property
     def pp_rank(self) -> int:
@@ -219,7 +260,7 @@ class Topology:
 
     @property
     def tp_size(self) -> int:
-        return self.shape.tp
+        return 1 if self.spatial else self.shape.tp
 
     @property
     def pp_size(self) -> int:
@@ -249,7 +290,8 @@ class Topology:
 
         for comm in (self.tp_comm, self.dp_comm, self.pp_comm, self.model_comm,
                      self.node_comm, self.dp_node_comm, self.dp_node_bcast_comm,
-                     self.dp_leader_comm, self.ckpt_comm, self.watch_comm):
+                     self.dp_leader_comm, self.ckpt_comm, self.watch_comm,
+                     self.batch_comm if self.spatial else None):
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
 

@@ -38,3 +38,22 @@ def test_every_group_has_the_members_the_arithmetic_gives(comm):
 def test_a_mismatched_layout_is_refused_on_every_rank(comm):
     with pytest.raises(ValueError, match=r"must equal the communicator size"):
         Topology.build(comm, ParallelConfig(dp=comm.Get_size() + 1, tp=1, pp=1))
+
+
+@pytest.mark.mpi
+def test_the_spatial_group_is_the_inner_axis_and_the_batch_group_spans_dp_and_sp(comm):
+    n, rank = comm.Get_size(), comm.Get_rank()
+    for sp in [s for s in range(2, n + 1) if n % s == 0]:
+        topo = Topology.build(comm, ParallelConfig(dp=n // sp, sp=sp))
+        shape = GridShape(n // sp, sp, 1)  # sp rides on the innermost axis
+        ok = topo.spatial and (topo.tp_size, topo.tp_rank) == (1, 0)
+        ok &= topo.sp_comm.allgather(rank) == shape.group_ranks(rank, "tp")
+        ok &= (topo.sp_size, topo.sp_rank) == (sp, rank % sp)
+        ok &= topo.dp_comm.allgather(rank) == shape.group_ranks(rank, "dp")
+        ok &= topo.batch_comm.allgather(rank) == list(range(n))  # pp = 1: every rank
+        assert_all(comm, ok, f"spatial groups at dp={n // sp} sp={sp}")
+        topo.free()
+    topo = Topology.build(comm, ParallelConfig(dp=n))
+    ok = not topo.spatial and topo.sp_comm is None and topo.batch_comm is topo.dp_comm
+    assert_all(comm, ok, "without sp the batch group is the data group")
+    topo.free()

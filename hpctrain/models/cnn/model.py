@@ -9,7 +9,15 @@
 
 The convolutions have no bias (the BatchNorm after each one has its own). With the
 default ``channels = [32, 64]`` on 28 x 28 images: 28 -> 14 -> 7, a 64 * 7 * 7 = 3,136
-input head.
+input head. ``image_pad`` adds zero pixels around each image first: 2 makes 28 x 28 a
+32 x 32, 32 -> 16 -> 8, which 2 and 4 spatial ranks divide at every stage.
+
+Spatial parallelism (``sp > 1``, ``hpctrain.parallel.spatial_engine``): each rank holds
+a slab of rows (H) of every activation; the engine puts the convolutions and pools on
+slabs, and the model takes its rows of the image (``space.take``) and gathers the
+last stage's rows before the head (``space.gather``; in backward
+``space.gather_backward``). Every rank then computes the whole head and loss, so its
+share of the loss is ``loss / sp`` and accuracy is counted on spatial rank 0.
 
 BatchNorm, train and eval: ``forward(x, targets)`` (training) normalises with the
 statistics of the batch and updates the running ones; ``eval_loss`` and
@@ -36,57 +44,21 @@ import numpy as np
 
 from hpctrain.config import ConfigError, ModelConfig
 from hpctrain.data.format import IMAGES
-from hpctrain.models.protocol import Model
+from hpctrain.models.protocol import Model, Space
 from hpctrain.nn import (
-    BatchNorm,
-    BatchNormCache,
-    Conv2d,
-    ConvCache,
+    ConvBNReLU,
+    ConvBNReLUCache,
     CrossEntropyCache,
     Linear,
     LinearCache,
     MaxPool2d,
     MaxPoolCache,
-    Module,
-    ReLU,
     cross_entropy,
     cross_entropy_backward,
-    serial_sum,
 )
+from hpctrain.parallel.spatial import check_chain
 
 CONVS_PER_STAGE = 2
-
-
-class ConvBNReLUCache(NamedTuple):
-    conv: ConvCache
-    bn: BatchNormCache
-    relu: np.ndarray  # the ReLU's mask
-
-
-class ConvBNReLU(Module):
-    """``y = relu(bn(conv3x3(x)))``, padding 1: (N, C, H, W) -> (N, O, H, W)."""
-
-    def __init__(self, in_channels: int, out_channels: int, *, rng: np.random.Generator,
-                 dtype, reduce: Callable[[np.ndarray], np.ndarray] = serial_sum):
-        self.conv = Conv2d(in_channels, out_channels, 3, padding=1, bias=False, rng=rng,
-                           dtype=dtype)
-        self.bn = BatchNorm(out_channels, reduce=reduce, dtype=dtype)
-        self.relu = ReLU()
-
-    def forward(self, x: np.ndarray, train: bool = True
-                ) -> tuple[np.ndarray, ConvBNReLUCache]:
-        # x (N, C, H, W) -> y (N, O, H, W)
-        h, conv = self.conv.forward(x)
-        h, bn = self.bn.forward(h, train)
-        y, relu = self.relu.forward(h)
-        return y, ConvBNReLUCache(conv, bn, relu)
-
-    def backward(self, dy: np.ndarray, cache: ConvBNReLUCache,
-                 need_dx: bool = True) -> np.ndarray | None:
-        # dy (N, O, H, W) -> dx (N, C, H, W), or None with need_dx=False (the first layer)
-        d = self.relu.backward(dy, cache.relu)
-        d = self.bn.backward(d, cache.bn)
-        return self.conv.backward(d, cache.conv, need_dx)
 
 
 class CNNCache(NamedTuple):
@@ -108,9 +80,18 @@ def image_side(input_dim: int) -> int:
     return s if s * s == input_dim else 0
 
 
+def padded_side(m: ModelConfig) -> int:
+    """The side of the images the first convolution sees: S + 2 image_pad."""
+    return image_side(m.input_dim) + 2 * m.image_pad
+
+
 def feature_side(m: ModelConfig) -> int:
-    """The side of the last stage's output: S halved (floor) once per stage."""
-    return image_side(m.input_dim) // 2 ** len(m.channels)
+    """The side of the last stage's output: the padded side halved (floor) per stage."""
+    return padded_side(m) // 2 ** len(m.channels)
+
+
+# one stage along one axis: two 3x3 convolutions (padding 1), a 2x2 max pool
+STAGE_WINDOWS = [(3, 1, 1, (1, 1))] * CONVS_PER_STAGE + [(2, 2, 1, (0, 0))]
 
 
 class CNNClassifier(Model):
@@ -124,15 +105,16 @@ class CNNClassifier(Model):
 
     name = "CNN classifier"
     data_format = IMAGES
-    config_keys = ("input_dim", "channels", "n_classes")
+    config_keys = ("input_dim", "channels", "n_classes", "image_pad")
 
     def __init__(self, cfg: ModelConfig, seed: int):
         rng = np.random.default_rng(seed)
         dtype = np.dtype(cfg.dtype)
         self.cfg = cfg
         self.side = image_side(cfg.input_dim)
+        self.pad = cfg.image_pad
         widths = [c for c in cfg.channels for _ in range(CONVS_PER_STAGE)]
-        self.layers = [ConvBNReLU(c_in, c_out, rng=rng, dtype=dtype)
+        self.layers = [ConvBNReLU(2, c_in, c_out, rng=rng, dtype=dtype)
                        for c_in, c_out in zip([1, *widths[:-1]], widths, strict=True)]
         self.pool = MaxPool2d(2)
         n_in = cfg.channels[-1] * feature_side(cfg) ** 2
@@ -143,9 +125,17 @@ class CNNClassifier(Model):
         for layer in self.layers:
             layer.bn.reduce = reduce
 
+    def split_space(self, space: Space) -> None:
+        """Hold rows ``space.take`` of every activation (spatial parallelism)."""
+        self.space = space
+
     def _features(self, x: np.ndarray, train: bool) -> tuple[np.ndarray, list, list]:
-        # x (B, S*S) -> h (B, c_last, S_last, S_last)
+        # x (B, S*S) -> h (B, c_last, S_last / sp, S_last): this rank's rows
         h = x.reshape(len(x), 1, self.side, self.side)  # (B, 1, S, S)
+        if self.pad:
+            p = self.pad
+            h = np.pad(h, ((0, 0), (0, 0), (p, p), (p, p)))  # (B, 1, S + 2p, S + 2p)
+        h = self.space.take(h)  # (B, 1, Sp / sp, Sp)
         layers, pools = [], []
         for i, layer in enumerate(self.layers):
             h, cache = layer.forward(h, train)
@@ -157,16 +147,18 @@ class CNNClassifier(Model):
 
     def forward(self, x: np.ndarray, targets: np.ndarray, train: bool = True
                 ) -> tuple[float, CNNCache]:
-        # x (B, input_dim) float, targets (B,) int -> loss, mean over B
+        # x (B, input_dim) float, targets (B,) int -> loss, mean over B (its share: / sp)
         h, layers, pools = self._features(x, train)
+        h = self.space.gather(h)  # (B, c_last, S_last, S_last)
         logits, out = self.out.forward(h.reshape(len(h), -1))  # (B, n_classes)
         loss, ce = cross_entropy(logits, targets)
-        return loss, CNNCache(layers, pools, h.shape, out, ce)
+        return loss / self.space.size, CNNCache(layers, pools, h.shape, out, ce)
 
     def backward(self, cache: CNNCache, dloss: float = 1.0) -> None:
-        """Add the gradients of ``dloss * loss`` into every parameter's ``.grad``."""
-        dlogits = cross_entropy_backward(dloss, cache.ce)  # (B, n_classes)
+        """Add the gradients of ``dloss * loss`` (its share) into every ``.grad``."""
+        dlogits = cross_entropy_backward(dloss / self.space.size, cache.ce)  # (B, n_classes)
         dh = self.out.backward(dlogits, cache.out).reshape(cache.feature_shape)
+        dh = self.space.gather_backward(dh)  # (B, c_last, S_last / sp, S_last)
         for i in reversed(range(len(self.layers))):
             if i % CONVS_PER_STAGE == CONVS_PER_STAGE - 1:
                 dh = self.pool.backward(dh, cache.pools[i // CONVS_PER_STAGE])
@@ -174,7 +166,7 @@ class CNNClassifier(Model):
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # x (B, input_dim) -> logits (B, n_classes), with the running statistics
-        h = self._features(x, train=False)[0]
+        h = self.space.gather(self._features(x, train=False)[0])
         return self.out.forward(h.reshape(len(h), -1))[0]
 
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -195,16 +187,35 @@ class CNNClassifier(Model):
         if not m.channels or not all(c >= 1 for c in m.channels):
             raise ConfigError(f"channels ({list(m.channels)}) must be one or more positive "
                               f"widths, one per stage")
+        if m.image_pad < 0:
+            raise ConfigError(f"image_pad ({m.image_pad}) must not be negative")
         if feature_side(m) < 1:
+            side = padded_side(m)
             raise ConfigError(f"{len(m.channels)} stages (channels {list(m.channels)}) "
                               f"halve the image side {side} to 0: use at most "
                               f"{side.bit_length() - 1} stages for input_dim {m.input_dim}")
 
     @classmethod
+    def spatial_axes(cls, m: ModelConfig) -> tuple[int, ...]:
+        return (2,)  # rows (H) of (N, C, H, W)
+
+    @classmethod
+    def check_spatial(cls, m: ModelConfig, sp: int) -> None:
+        """Every stage's rows must split into sp slabs at least as thick as the halos."""
+        side = padded_side(m)
+        try:
+            check_chain(side, sp, STAGE_WINDOWS * len(m.channels), "window")
+        except ValueError as err:
+            raise ConfigError(f"sp ({sp}) does not fit the CNN's {side}-row images "
+                              f"(input_dim {m.input_dim}, image_pad {m.image_pad}, "
+                              f"{len(m.channels)} stages): {err}; try image_pad so that "
+                              f"sp * 2^stages divides the side") from None
+
+    @classmethod
     def model_flops(cls, m: ModelConfig, samples: int) -> float:
         """``3 * samples * (sum over convs 2 * 9 C O S_i^2 + 2 * n_in * n_classes)``:
         forward once, backward twice (BatchNorm, ReLU and pooling are not counted)."""
-        flops, c_in, side = 0, 1, image_side(m.input_dim)
+        flops, c_in, side = 0, 1, padded_side(m)
         for c in m.channels:
             for _ in range(CONVS_PER_STAGE):
                 flops += 2 * 9 * c_in * c * side * side
@@ -218,5 +229,7 @@ class CNNClassifier(Model):
         return float(self.forward(x, targets, train=False)[0])
 
     def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
-        """Accuracy: (correct predictions, samples) of x (B, input_dim), y (B,)."""
-        return {"accuracy": (int((self.predict(x) == y).sum()), len(y))}
+        """Accuracy: (correct predictions, samples) of x (B, input_dim), y (B,); under
+        spatial parallelism counted on spatial rank 0 (every rank predicts alike)."""
+        correct = int((self.predict(x) == y).sum())
+        return {"accuracy": (correct, len(y)) if self.space.rank == 0 else (0, 0)}
