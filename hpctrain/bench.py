@@ -1,11 +1,21 @@
-"""The benchmark GPT at several layouts: throughput, model FLOP/s and MFU against the
+"""A benchmark model at several layouts: throughput, model FLOP/s and MFU against the
 GEMM peak each rank measures in the same run, and where the step time goes.
 
-    hpctrain bench                        the driver: one MPI job per layout, the table
+    hpctrain bench [--model M]            the driver: one MPI job per layout, the table
     python -m mpi4py -m hpctrain.bench    one layout, on the ranks of an MPI job
 
-The benchmark GPT: 6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256,
-global batch 8 sequences (2,048 tokens a step), float32, AdamW.
+The benchmark models (``BENCH_MODELS``), each float32, AdamW, evaluation off:
+
+    gpt     6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256, global batch
+            8 sequences (2,048 tokens a step); layouts serial, dp2, tp2, pp2
+    cnn     the Fashion-MNIST classifier, channels [16, 32], images padded to 32 x 32,
+            global batch 128 images; layouts serial, dp2, sp2
+    seg3d   the 3-D U-Net, channels [8, 16, 32], 3 classes, 32^3 crops of MNI152,
+            global batch 4 crops; layouts serial, dp2, sp2
+
+Throughput is in tokens/s for a sequence model (``Model.sample_len``), in samples/s
+(images, crops) for the others. A layout a model cannot run (tp2 for the CNN) is the
+config's own error (``Config.validate``), raised before anything runs.
 
 Model FLOPs of a step (``model_flops``) are what the model declares
 (``Model.model_flops``, ``hpctrain.models.protocol``): the matrix products it defines,
@@ -39,6 +49,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -62,6 +73,39 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2": (2, {"dp": 2}),
     "tp2": (2, {"tp": 2}),
     "pp2": (2, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
+    "sp2": (2, {"sp": 2}),
+}
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A benchmark model: its config (the sections of ``config.from_dict``, without
+    ``[parallel]``: the layout gives it) and the layouts ``hpctrain bench`` runs."""
+
+    config: dict[str, dict[str, Any]]
+    layouts: tuple[str, ...]
+
+
+def _convolutional(model: dict[str, Any], batch_size: int, data: str) -> dict[str, dict]:
+    """A convolutional benchmark config: the GPT's optimizer settings, another model,
+    batch and dataset."""
+    return {"model": {"dtype": "float32", **model},
+            "train": BENCH_CONFIG["train"] | {"batch_size": batch_size},
+            "data": {"path": data}}
+
+
+BENCH_MODELS: dict[str, BenchModel] = {
+    "gpt": BenchModel(BENCH_CONFIG, ("serial", "dp2", "tp2", "pp2")),
+    # image_pad 2: 28 x 28 -> 32 x 32, so sp2 halves every stage's rows (at all layouts,
+    # so that the rows compare the same model)
+    "cnn": BenchModel(_convolutional({"kind": "cnn", "input_dim": 784, "image_pad": 2,
+                                      "channels": [16, 32], "n_classes": 10},
+                                     128, "data/fashion-mnist.h5"),
+                      ("serial", "dp2", "sp2")),
+    "seg3d": BenchModel(_convolutional({"kind": "seg3d", "channels": [8, 16, 32],
+                                        "n_classes": 3, "crop": [32, 32, 32]},
+                                       4, "data/mni152.h5"),
+                        ("serial", "dp2", "sp2")),
 }
 
 GEMM_N = 2048  # the peak's square matrices: large enough for BLAS to reach its rate
@@ -119,24 +163,41 @@ def timed_on_all_ranks(comm: Any, fn, repeats: int, setup=None) -> float:
     return statistics.median(times)
 
 
-def layout_config(layout: str, *, data: str, steps: int, run_dir: str, row_threads: int = 0):
-    """The benchmark config for one of ``LAYOUTS`` (validated for its rank count)."""
+def layout_config(layout: str, *, data: str, steps: int, run_dir: str, row_threads: int = 0,
+                  model: str = "gpt"):
+    """The config of benchmark model ``model`` (``BENCH_MODELS``) at one of ``LAYOUTS``,
+    validated for its rank count: a layout the model cannot run raises ConfigError."""
+    if model not in BENCH_MODELS:
+        raise ValueError(f"model ({model!r}) must be one of {', '.join(BENCH_MODELS)}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout ({layout!r}) must be one of {', '.join(LAYOUTS)}")
     ranks, parallel = LAYOUTS[layout]
-    raw = {section: dict(values) for section, values in BENCH_CONFIG.items()}
+    raw = {section: dict(values) for section, values in BENCH_MODELS[model].config.items()}
     raw["parallel"] = dict(parallel)
     raw["train"] |= {"steps": steps, "run_dir": run_dir, "row_threads": row_threads}
     raw["data"] |= {"path": data}
-    return config_mod.from_dict(raw, source=f"benchmark layout {layout}").validate(ranks)
+    return config_mod.from_dict(raw, source=f"benchmark {model} at layout {layout}"
+                                ).validate(ranks)
+
+
+def throughput_unit(m: ModelConfig) -> tuple[str, str, int]:
+    """The throughput's key in the figures, its column, and what one sample counts:
+    tokens for a sequence model (``Model.sample_len``), samples (images, crops) else."""
+    from hpctrain.models.registry import model_class
+
+    per_sample = model_class(m.kind).sample_len(m)
+    if per_sample is None:
+        return "samples_per_s", "samp/s", 1
+    return "tokens_per_s", "tok/s", per_sample
 
 
 def summarise(records: list[dict], warmup: int, flops: float, first_peaks: list[float],
-              tokens: int) -> dict[str, Any]:
+              tokens: int, per_s: str = "tokens_per_s") -> dict[str, Any]:
     """The figures of one layout from its per-step records (steps after ``warmup``).
 
     ``first_peaks``: each rank's GEMM rate measured before step 1; every step's record
     carries ``gemm_flops_per_rank``, measured after it (see the module's MFU).
+    ``tokens``: the tokens (or samples) of a step, a rate under the key ``per_s``.
     """
     steps = [r for r in records if "loss" in r]
     probes = [first_peaks] + [r["gemm_flops_per_rank"] for r in steps]  # before, after each
@@ -149,7 +210,7 @@ def summarise(records: list[dict], warmup: int, flops: float, first_peaks: list[
     breakdown = {c: statistics.fmean(r["time_s"][c] for r, _ in timed)
                  for c in timed[0][0]["time_s"]}
     per_rank = [statistics.median(p[rank] for p in probes) for rank in range(len(first_peaks))]
-    return {"steps_timed": len(timed), "step_time_s": step_s, "tokens_per_s": tokens / step_s,
+    return {"steps_timed": len(timed), "step_time_s": step_s, per_s: tokens / step_s,
             "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
             "peak_flops_per_s": statistics.median(peak for _, peak in timed),
             "peak_flops_per_rank": per_rank, "mfu": statistics.median(mfu_per_step),
@@ -158,16 +219,18 @@ def summarise(records: list[dict], warmup: int, flops: float, first_peaks: list[
 
 
 def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, out_dir: str,
-               trace: bool = False, row_threads: int = 0) -> dict[str, Any] | None:
+               trace: bool = False, row_threads: int = 0, model: str = "gpt"
+               ) -> dict[str, Any] | None:
     """Measure the GEMM peak on every rank at once, then train ``steps`` steps of the
-    benchmark GPT; rank 0 writes and returns the layout's figures. Collective."""
+    benchmark model ``model``; rank 0 writes and returns the layout's figures. Collective."""
     from hpctrain.runtime import blas_thread_timeout, set_blas_threads, startup_check
     from hpctrain.slurm.placement import blas_threads_per_rank
     from hpctrain.train import train
 
     run_dir = str(Path(out_dir) / layout)
     cfg = startup_check(comm, lambda: layout_config(layout, data=data, steps=steps,
-                                                    run_dir=run_dir, row_threads=row_threads))
+                                                    run_dir=run_dir, row_threads=row_threads,
+                                                    model=model))
     if comm.Get_size() != LAYOUTS[layout][0]:
         raise ValueError(f"layout {layout} needs {LAYOUTS[layout][0]} rank(s), "
                          f"not {comm.Get_size()}")
@@ -188,13 +251,13 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
     from hpctrain.metrics import read_metrics
 
     records = read_metrics(Path(run_dir) / "metrics.jsonl")
-    tokens = cfg.train.batch_size * cfg.model.seq_len
-    result = {"layout": layout, "ranks": comm.Get_size(), "blas_threads": threads,
-              "row_threads": row_threads or threads,
+    per_s, _, per_sample = throughput_unit(cfg.model)
+    result = {"model": model, "layout": layout, "ranks": comm.Get_size(),
+              "blas_threads": threads, "row_threads": row_threads or threads,
               "blas_thread_timeout": blas_thread_timeout(),
               "parallel": LAYOUTS[layout][1], "warmup_steps": warmup,
               **summarise(records, warmup, model_flops(cfg.model, cfg.train.batch_size),
-                          first_peaks, tokens)}
+                          first_peaks, cfg.train.batch_size * per_sample, per_s)}
     if trace_path:
         result["trace"] = trace_path
     Path(out_dir, f"{layout}.json").write_text(json.dumps(result, indent=2))
@@ -215,13 +278,17 @@ def _ranks_on_node(comm: Any) -> int:
 # ---------------------------------------------------------------------------------
 # the table
 
-COLUMNS = ("compute", "tp_comm", "pp_wait", "dp_comm", "optimizer", "data", "other")
+COLUMNS = ("compute", "tp_comm", "halo", "pp_wait", "dp_comm", "optimizer", "data", "other")
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The printed table: one row per layout; the breakdown in % of the mean step (the
-    sum of its categories, averaged over ranks and timed steps)."""
-    head = (f"{'layout':<8} {'ranks':>5} {'ms/step':>8} {'tok/s':>7} {'GFLOP/s':>8} "
+    """The printed table: one row per layout (of one model); throughput in tokens/s for
+    a sequence model, samples/s for the others (the key its figures carry); the
+    breakdown in % of the mean step (the sum of its categories, averaged over ranks and
+    timed steps)."""
+    per_s, unit = (("tokens_per_s", "tok/s") if "tokens_per_s" in results[0]
+                   else ("samples_per_s", "samp/s"))
+    head = (f"{'layout':<8} {'ranks':>5} {'ms/step':>8} {unit:>7} {'GFLOP/s':>8} "
             f"{'peak':>6} {'MFU':>6} | " + " ".join(f"{c:>9}" for c in COLUMNS))
     lines = [head, "-" * len(head)]
     for r in results:
@@ -229,7 +296,7 @@ def table(results: list[dict[str, Any]]) -> str:
         whole = sum(r["time_s"].values()) or 1.0  # the mean step the breakdown adds up to
         shares = " ".join(f"{100 * r['time_s'].get(c, 0.0) / whole:>8.1f}%" for c in COLUMNS)
         lines.append(f"{r['layout']:<8} {r['ranks']:>5} {1e3 * step:>8.0f} "
-                     f"{r['tokens_per_s']:>7.0f} {r['model_flops_per_s'] / 1e9:>8.1f} "
+                     f"{r[per_s]:>7.0f} {r['model_flops_per_s'] / 1e9:>8.1f} "
                      f"{r['peak_flops_per_s'] / 1e9:>6.0f} {100 * r['mfu']:>5.1f}% | {shares}")
     return "\n".join(lines)
 
@@ -239,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mpi4py -m hpctrain.bench",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("layout", choices=list(LAYOUTS))
-    parser.add_argument("--data", default=BENCH_CONFIG["data"]["path"])
+    parser.add_argument("--model", choices=list(BENCH_MODELS), default="gpt")
+    parser.add_argument("--data", help="default: the model's dataset")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="runs/bench")
@@ -251,9 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     from hpctrain.runtime import abort_on_error
 
     comm = MPI.COMM_WORLD
+    data = args.data or BENCH_MODELS[args.model].config["data"]["path"]
     with abort_on_error(comm):
-        run_layout(comm, args.layout, data=args.data, steps=args.steps, warmup=args.warmup,
-                   out_dir=args.out, trace=args.trace, row_threads=args.row_threads)
+        run_layout(comm, args.layout, data=data, steps=args.steps, warmup=args.warmup,
+                   out_dir=args.out, trace=args.trace, row_threads=args.row_threads,
+                   model=args.model)
 
 
 if __name__ == "__main__":
