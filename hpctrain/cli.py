@@ -30,6 +30,13 @@ OVERRIDES = {
     "zero": "parallel.zero",
     "bucket_mb": "parallel.bucket_mb",
     "dp_reduce": "parallel.dp_reduce",
+    "averaging": "parallel.averaging",
+    "average_every": "parallel.average_every",
+    "sync_steps": "parallel.sync_steps",
+    "outer_lr": "parallel.outer_lr",
+    "outer_momentum": "parallel.outer_momentum",
+    "shares": "parallel.shares",
+    "batch_shares": "parallel.batch_shares",
     "steps": "train.steps",
     "lr": "train.lr",
     "seed": "train.seed",
@@ -55,6 +62,14 @@ def main() -> None:
       hpctrain ckpt verify runs/gpt-shakespeare
       hpctrain bench
     """
+
+
+def _int_list(value: str, name: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} must be integers separated by commas",
+                                 param_hint=name) from None
 
 
 @main.command()
@@ -84,6 +99,24 @@ def main() -> None:
                    "reduce in each node, all-reduce among node leaders, broadcast in the "
                    "node (hierarchical; with ZeRO a reduce-scatter and a scatter). Default: "
                    "the config's, flat.")
+@click.option("--averaging",
+              type=click.Choice(["sync", "periodic", "post_local", "diloco", "hierarchical"]),
+              help="How data-parallel replicas meet: sync (all-reduce gradients every step), "
+                   "periodic (average parameters every --average-every steps), post_local "
+                   "(sync for --sync-steps, then periodic), diloco (an outer Nesterov step "
+                   "on the averaged change), hierarchical (sync in a node, periodic across "
+                   "nodes).")
+@click.option("--average-every", type=int, metavar="H", help="Steps between meetings.")
+@click.option("--sync-steps", type=int, metavar="S",
+              help="post_local: synchronous steps before the local ones.")
+@click.option("--outer-lr", type=float, help="diloco: the outer learning rate.")
+@click.option("--outer-momentum", type=float, help="diloco: the outer Nesterov momentum.")
+@click.option("--shares", type=click.Choice(["equal", "fixed", "measured"]),
+              help="Each data-parallel rank's part of the global batch: equal, fixed "
+                   "(--batch-shares) or proportional to its measured speed.")
+@click.option("--batch-shares", callback=lambda ctx, param, value: None if value is None
+              else _int_list(value, "--batch-shares"), metavar="N,N,...",
+              help="Samples of the global batch per data-parallel rank (with --shares fixed).")
 @click.option("--steps", type=int, help="Optimizer steps to run.")
 @click.option("--lr", type=float, help="Peak learning rate (after warm-up).")
 @click.option("--seed", type=int, help="Seed for initialisation and data order.")

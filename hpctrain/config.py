@@ -23,6 +23,8 @@ DTYPES = ("float32", "float64")
 OPTIMIZERS = ("adamw", "sgd")
 BALANCE = ("layers", "params")
 DP_REDUCE = ("flat", "hierarchical")
+AVERAGING = ("sync", "periodic", "post_local", "diloco", "hierarchical")
+SHARES = ("equal", "fixed", "measured")
 
 
 class ConfigError(ValueError):
@@ -85,6 +87,22 @@ class ParallelConfig:
     # reduce in each node, all-reduce (reduce-scatter) among one leader per node,
     # broadcast (scatter) in the node
     dp_reduce: str = "flat"
+    # how the data-parallel replicas meet (hpctrain.parallel.averaging): "sync" (all-reduce
+    # every gradient every step), "periodic" (average the parameters every
+    # average_every steps), "post_local" (sync for sync_steps, then periodic), "diloco"
+    # (an outer Nesterov step on the averaged change every average_every steps, outer_lr
+    # and outer_momentum), "hierarchical" (sync inside each node, periodic across nodes)
+    averaging: str = "sync"
+    average_every: int = 1  # H, steps between meetings
+    sync_steps: int = 0  # S, post_local's synchronous steps first
+    outer_lr: float = 0.7  # DiLoCo's outer learning rate
+    outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum
+    # each data-parallel rank's share of the global batch (hpctrain.parallel.shares):
+    # "equal", "fixed" (batch_shares, samples per dp rank) or "measured" (proportional
+    # to each rank's measured speed, re-measured every remeasure_every steps)
+    shares: str = "equal"
+    batch_shares: tuple[int, ...] = ()
+    remeasure_every: int = 50
 
     @property
     def model_parallel_size(self) -> int:
@@ -209,6 +227,30 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
     _require(par.zero in (0, 1, 2), f"zero ({par.zero}) must be 0, 1 or 2")
     _require(par.bucket_mb > 0, f"bucket_mb ({par.bucket_mb}) must be positive")
     _require_choice("dp_reduce", par.dp_reduce, DP_REDUCE)
+    _check_averaging(par)
+
+
+def _check_averaging(par: ParallelConfig) -> None:
+    _require_choice("averaging", par.averaging, AVERAGING)
+    _require(par.average_every >= 1, f"average_every ({par.average_every}) must be at least 1")
+    _require(par.sync_steps >= 0, f"sync_steps ({par.sync_steps}) must not be negative")
+    _require(par.outer_lr > 0, f"outer_lr ({par.outer_lr}) must be positive")
+    _require(0 <= par.outer_momentum < 1,
+             f"outer_momentum ({par.outer_momentum}) must be in [0, 1)")
+    local = par.averaging != "sync"
+    _require(not local or par.zero == 0,
+             f"averaging {par.averaging!r} keeps a whole optimizer on every data-parallel "
+             f"rank: zero ({par.zero}) must be 0")
+    _require_choice("shares", par.shares, SHARES)
+    _require(par.remeasure_every >= 1,
+             f"remeasure_every ({par.remeasure_every}) must be at least 1")
+    _require(par.shares == "equal" or not local,
+             f"shares {par.shares!r} needs averaging 'sync' (averaging is {par.averaging!r})")
+    _require(par.shares == "equal" or par.zero == 0,
+             f"shares {par.shares!r} needs zero 0 (zero is {par.zero})")
+    _require((par.shares == "fixed") == bool(par.batch_shares),
+             f"batch_shares ({list(par.batch_shares)}) go with shares 'fixed' and only "
+             f"with it (shares is {par.shares!r})")
 
 
 def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
@@ -232,7 +274,9 @@ def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
     has_plan = cls.tensor_plan(par.sequence_parallel) is not None
     costs = cls.piece_costs(m)
     _require(par.tp == par.pp == 1 or has_plan or costs is not None,
-             f"the {cls.name} supports data parallelism only (tp is {par.tp}, pp is {par.pp})")
+             f"the {cls.name} supports data parallelism only"
+             f"{' (and spatial, sp)' if cls.spatial_axes(m) else ''} (tp is {par.tp}, pp is "
+             f"{par.pp})")
     _require(par.tp == 1 or has_plan,
              f"the {cls.name} declares no tensor-parallel plan: tp ({par.tp}) must be 1")
     _require(par.pp == 1 or costs is not None,
@@ -259,7 +303,22 @@ def _check_model_keys(m: ModelConfig, known: tuple[str, ...], name: str) -> None
                           f"(the {name}); its keys: {sorted(COMMON_MODEL_KEYS + known)}")
 
 
+def _check_shares(t: TrainConfig, par: ParallelConfig) -> None:
+    if par.shares != "fixed":
+        return
+    b = par.batch_shares
+    _require(len(b) == par.dp, f"batch_shares ({list(b)}) must have one entry per "
+                               f"data-parallel rank (dp is {par.dp})")
+    _require(sum(b) == t.batch_size, f"batch_shares ({list(b)}) must sum to batch_size "
+                                     f"({t.batch_size}), not {sum(b)}")
+    mb = par.microbatches
+    bad = [n for n in b if n < mb or n % mb]
+    _require(not bad, f"batch_shares ({list(b)}) must each be a positive multiple of "
+                      f"microbatches ({mb}): {bad} are not")
+
+
 def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
+    _check_shares(t, par)
     _require(t.steps >= 0, f"steps ({t.steps}) must not be negative")
     _require_choice("optimizer", t.optimizer, OPTIMIZERS)
     per_step = par.dp * par.microbatches

@@ -90,6 +90,35 @@ def train_losses(cfg, comm, batches, *, steps: int | None = None,
     return losses
 
 
+TINY_GPT = """
+[model]
+dtype = "float64"
+vocab_size = 256
+seq_len = 16
+n_layer = 2
+n_head = 2
+d_model = 16
+
+[parallel]
+{parallel}
+
+[train]
+eval_interval = 0
+log_interval = 1
+warmup_steps = 1
+{train}
+
+[data]
+path = "{{data}}"
+"""
+
+
+def tiny_gpt_template(train: str = "", parallel: str = "") -> str:
+    """A TOML config template of a tiny float64 GPT for ``tiny_corpus_config``, with
+    more ``[train]`` and ``[parallel]`` lines."""
+    return TINY_GPT.format(train=train, parallel=parallel)
+
+
 def tiny_corpus_config(folder, config_template: str, line: str, lines: int):
     """A small text corpus prepared with ``hpctrain-prep text`` into ``folder``, and a
     TOML config ``folder/tiny.toml`` from ``config_template`` (its ``{data}`` is the

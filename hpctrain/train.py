@@ -35,6 +35,7 @@ from hpctrain.optim import schedule
 from hpctrain.optim.optimizers import SGD, AdamW
 from hpctrain.parallel.data import DataParallel
 from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.shares import ShareBalancer
 from hpctrain.parallel.topology import Topology
 from hpctrain.runtime import (
     blas_spin_warning,
@@ -73,6 +74,11 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
     group at construction); each sums flat or hierarchically (``cfg.parallel.dp_reduce``:
     over the topology's node groups, ``hierarchy.py``)."""
     par = cfg.parallel
+    if par.averaging != "sync":
+        from hpctrain.parallel.averaging import LocalDataParallel, check_nodes
+
+        check_nodes(par, topo)
+        return LocalDataParallel(engine, make_optimizer(cfg, engine.named_params), topo, par)
     hierarchical = par.dp_reduce == "hierarchical"
     if par.zero == 0:
         launch = None
@@ -92,8 +98,8 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
 
 
 def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
-               step: int = 0, before_update: Callable[[], None] | None = None
-               ) -> tuple[float, float]:
+               step: int = 0, before_update: Callable[[], None] | None = None,
+               share: float | None = None) -> tuple[float, float]:
     """One optimizer step on this rank's batch; returns (mean loss over dp, grad norm).
 
     ``dp`` is ``make_data_parallel``'s. Collective over the data group, and over the
@@ -102,12 +108,16 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
     over the world); ``step`` names the step in its messages. ``before_update``, if
     given, is called right before the update changes the parameters and optimizer
     state (ZeRO's too): forward and backward only read them, so a background
-    checkpoint copies them meanwhile (``BackgroundWriter.captured``).
+    checkpoint copies them meanwhile (``BackgroundWriter.captured``). ``share``: this
+    rank's fraction of the global batch when the ranks hold unequal parts
+    (``hpctrain.parallel.shares``; None: equal parts).
     """
     with trace.span("zero_grad", "optimizer"):
         dp.zero_grad()
-    # the gradient of loss / dp: summed over the data group it is the global mean's
-    loss = engine.forward_backward(x, y, scale=1.0 / dp.dp_size)
+    # the gradient of loss / dp (b_r / B with unequal shares): summed over the data group
+    # it is the global mean's; a local averaging step takes this rank's own mean
+    scale = share if share is not None else getattr(dp, "grad_scale", 1.0 / dp.dp_size)
+    loss = engine.forward_backward(x, y, scale=scale)
     with trace.span("dp_wait", "dp_comm"):
         dp.finish_grads()
     with trace.span("optimizer", "optimizer"):
@@ -118,6 +128,8 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
             if grad_clip > 0:
                 dp.clip(grad_clip, norm)
             dp.step(lr)
+    if share is not None:
+        return mean_over(dp.dp_comm, loss * share * dp.dp_size), norm
     return mean_over(dp.dp_comm, loss), norm
 
 
@@ -182,7 +194,7 @@ def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader)
 
 
 def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dict,
-          background, writer) -> Path | None:
+          background, writer, extra: dict | None = None) -> Path | None:
     """Checkpoint after ``step`` (collective); rank 0 says where and how long; returns
     the folder (None: the state was not finite, nothing was written). ``background``:
     a ``BackgroundWriter`` (``--async-save``) or None. Nothing is pruned here: the
@@ -195,7 +207,7 @@ def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dic
         path = save_training(cfg, topo, engine, dp, step=step,
                              loader_state=loader.state_dict(), schedule=sched,
                              background=background, say=writer.say if writer else None,
-                             keep=NO_PRUNING)
+                             keep=NO_PRUNING, extra=extra)
     except NonFiniteState as err:  # every rank alike; the last finite checkpoint stays
         if writer is not None:
             writer.say(f"warning: {err}")
@@ -323,6 +335,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
 
     loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, trace_path,
                  after_step)
+    if resumed is not None and loop.shares is not None:
+        loop.shares.load_state(resumed.meta.get("shares"))
     if val is not None and (resumed is None or first > t.steps):
         # before the first step; or a checkpoint with no step left to train: evaluate it
         loop.evaluate(first - 1, val, {"step": first - 1}, alone=True)
@@ -386,6 +400,8 @@ class _Loop:
         self.background = (BackgroundWriter(topo.ckpt_comm, overlap=True) if t.async_save
                            else None)
         self.tracer = trace.Tracer(keep_events=trace_path is not None)
+        self.shares = (ShareBalancer(cfg.parallel, t.batch_size, topo.dp_comm, loader)
+                       if cfg.parallel.shares != "equal" else None)
 
     @property
     def say_to(self):
@@ -407,7 +423,8 @@ class _Loop:
                     loss, norm = train_step(
                         self.engine, self.dp, x, y, lr=lr, grad_clip=t.grad_clip,
                         guard=self.guard, step=step,
-                        before_update=None if background is None else background.captured)
+                        before_update=None if background is None else background.captured,
+                        share=None if self.shares is None else self.shares.share)
                 except DivergenceError as err:  # every rank: keep the healthy checkpoint
                     self.wait_for_save()
                     where = _healthy(self.retention.diverged())
@@ -417,9 +434,14 @@ class _Loop:
             self.retention.finite_step(loss)  # the last checkpoint led to a sane step
         dt = time.perf_counter() - t0
         self.losses.append(loss)
+        totals = self.tracer.take_totals()
+        shares = {}
+        if self.shares is not None:  # this step's shares, then the next step's
+            shares = self.shares.metrics()
+            self.shares.after_step(step, totals["compute"])
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
-                  "time_s": breakdown_over(self.comm, self.tracer.take_totals()),
+                  "time_s": breakdown_over(self.comm, totals), **shares,
                   **self.engine.metrics(), **self.dp.metrics(), **self.guard.metrics()}
         if self.after_step is not None:
             record |= self.after_step()
@@ -453,8 +475,10 @@ class _Loop:
 
     def save(self, step: int, loss: float, say=None) -> Path | None:
         """A checkpoint after ``step`` (collective), pending until confirmed."""
+        extra = None if self.shares is None else {"shares": self.shares.state()}
         saved = _save(self.cfg, self.topo, self.engine, self.dp, self.loader, step,
-                      self.sched, self.background, say if say is not None else self.say_to)
+                      self.sched, self.background, say if say is not None else self.say_to,
+                      extra)
         self.retention.saved(saved, loss)
         return saved
 

@@ -344,6 +344,13 @@ def test_reading_never_unpickles(saved, monkeypatch, tokens_h5):
             assert call not in text, f"{source}: {call}"
 
 
+def test_resolve_follows_the_latest_pointer_given_itself(saved):
+    _, path, _ = saved
+    pointer = path.parent / fmt.LATEST_NAME
+    assert pointer.is_file()
+    assert fmt.resolve(pointer) == fmt.resolve(path.parent) == fmt.resolve(path)
+
+
 def test_resolve_refuses_an_unfinished_save(saved):
     _, path, _ = saved
     unfinished = path.parent / "step-000003.tmp"

@@ -77,6 +77,9 @@ LATEST_NAME = "latest"
 SHARED_NAME = "data.h5"
 SELF = "."  # the file of a piece is the index file itself (consolidated)
 META_KEYS = ("config", "layout", "loader", "schedule", "rng", "optimizer")
+# written when present, absent from older checkpoints: an averaging strategy's position
+# in its period (hpctrain.parallel.averaging), the batch shares (parallel.shares)
+OPTIONAL_META_KEYS = ("averaging", "shares")
 REMEDY = "load an earlier checkpoint (see `hpctrain ckpt inspect`), or re-run the training"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -209,6 +212,9 @@ def write_index(f: h5py.File, *, step: int, meta: dict, files: list[str],
     f.attrs["checksum"] = CHECKSUM
     for key in META_KEYS:
         f.attrs[key] = json_attr(meta.get(key))
+    for key in OPTIONAL_META_KEYS:
+        if meta.get(key) is not None:
+            f.attrs[key] = json_attr(meta[key])
     f.attrs["files"] = json_attr(files)
     text = np.frombuffer(json.dumps([t.to_json() for t in tensors]).encode(), np.uint8)
     dset = f.create_dataset("tensors", data=text)
@@ -255,6 +261,8 @@ def read_index(path: Path) -> Index:
         check_format(f, path, CHECKPOINT)
         try:
             meta = {key: json.loads(f.attrs[key]) for key in META_KEYS}
+            meta |= {key: json.loads(f.attrs[key]) for key in OPTIONAL_META_KEYS
+                     if key in f.attrs}
             files = list(json.loads(f.attrs["files"]))
             step = int(f.attrs["step"])
             algorithm = str(f.attrs.get("checksum", "sha256"))  # version 1: sha256
@@ -275,8 +283,11 @@ def read_index(path: Path) -> Index:
 
 def resolve(path: str | Path) -> Path:
     """The index file of a checkpoint given as a consolidated file, a step folder, a
-    checkpoints folder (its ``latest``) or a run folder (``checkpoints/latest``)."""
+    checkpoints folder (its ``latest``), the ``latest`` pointer itself, or a run folder
+    (``checkpoints/latest``)."""
     path = Path(path)
+    if path.is_file() and path.name == LATEST_NAME:
+        path = path.parent  # the pointer: follow it below
     if path.is_file():
         return path
     if (path / INDEX_NAME).is_file():

@@ -71,7 +71,11 @@ def optimizer_entries(optimizer: Any, sliced: bool) -> list[tuple[str, str, tupl
 
 
 def held_tensors(engine: Any, dp: Any, tp_rank: int, tp_size: int) -> list[Held]:
-    """Every array this rank saves and loads (see the module docstring)."""
+    """Every array this rank saves and loads (see the module docstring); a data-parallel
+    wrapper holding more, or other, state lists it itself (``dp.held_tensors``: the
+    averaging strategies, ``hpctrain.parallel.averaging``)."""
+    if hasattr(dp, "held_tensors"):
+        return dp.held_tensors(engine, tp_rank, tp_size)
     params = dict(engine.named_params)
     held = [Held(f"model/{name}", p.data, param_sharding(p, tp_rank, tp_size))
             for name, p in engine.named_params]

@@ -64,7 +64,7 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
                   loader_state: dict | None, schedule: dict | None = None,
                   generators: dict | None = None, root: str | Path | None = None,
                   on_event=None, background: Any = None, say=print,
-                  keep: int | None = None) -> Path:
+                  keep: int | None = None, extra: dict | None = None) -> Path:
     """Checkpoint the run after ``step`` optimizer steps (collective over the world).
 
     ``background``: a ``background.BackgroundWriter``; the state is then copied and
@@ -73,7 +73,8 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
     ``wait``). A state with nan or inf raises ``NonFiniteState`` on every rank and
     leaves no checkpoint (see the module docstring). ``say``: rank 0's
     one-line notices (stale folders removed). ``keep``: the complete checkpoints
-    to keep, instead of the config's (``retention.NO_PRUNING``: prune nothing)."""
+    to keep, instead of the config's (``retention.NO_PRUNING``: prune nothing).
+    ``extra``: more JSON metadata (the batch shares), returned in ``Resumed.meta``."""
     comm = topo.world_comm
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
     t = optimizer_step(dp)
@@ -84,7 +85,9 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
     meta = {"config": cfg.to_dict(), "layout": layout_of(cfg, comm.Get_size()),
             "loader": loader_state, "schedule": schedule or schedule_of(cfg),
             "rng": {"init_seed": cfg.train.seed, "generators": rng_states(generators or {})},
-            "optimizer": {"kind": cfg.train.optimizer, "t": t}}
+            "optimizer": {"kind": cfg.train.optimizer, "t": t}, **(extra or {})}
+    if hasattr(dp, "meta"):  # an averaging strategy's position in its period
+        meta["averaging"] = dp.meta()
     root = checkpoint_root(cfg.train.run_dir) if root is None else Path(root)
     save = writer.save if background is None else background.save
     return save(root, step, held, meta, comm, stage=topo.pp_rank,
@@ -109,6 +112,13 @@ def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
             raise CheckpointError(f"{ckpt.index.path}: holds {saved} state, the config "
                                   f"trains with {cfg.train.optimizer}")
         hint = config_hint(meta.get("config") or {}, cfg)
+        if hasattr(dp, "load_meta"):
+            dp.load_meta(meta.get("averaging"), str(ckpt.index.path))
+        elif meta.get("averaging") is not None:
+            raise CheckpointError(f"{ckpt.index.path}: was saved with averaging "
+                                  f"{meta['averaging']['strategy']!r}, whose ranks hold "
+                                  f"their own state: resume it with the same averaging "
+                                  f"and dp")
         ckpt.read_held(held, hint)
         set_optimizer_step(dp, meta["optimizer"]["t"])
         restore_rng(generators, meta["rng"]["generators"])

@@ -162,6 +162,21 @@ class Loader:
         x = np.multiply(images.reshape(len(ids), -1), np.float32(1 / 255), dtype=np.float32)
         return x, labels.astype(np.int64)  # (b, H*W) float32, (b,) int64
 
+    def set_share(self, offset: int, count: int) -> None:
+        """From the next batch on, take samples ``[offset, offset + count)`` of each
+        global batch (heterogeneity-aware shares, ``hpctrain.parallel.shares``). The
+        global batches stay the same, so nothing is lost or repeated. Unpartitioned
+        data only: a partition gives each rank its own shards."""
+        if self._identity.get("partitioned"):
+            raise DataError("unequal batch shares need an unpartitioned dataset: each rank "
+                            "of a partition reads only its own shards")
+        per_step = self.sampler.per_step
+        if offset < 0 or count < 1 or offset + count > per_step:
+            raise DataError(f"a share of samples [{offset}, {offset + count}) must lie in the "
+                            f"global batch of {per_step}")
+        self._drop_pending()
+        self.sampler.offset, self.sampler.count = offset, count
+
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         s = self._step
         if self._pending is not None and self._pending[0] == s:

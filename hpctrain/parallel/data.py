@@ -398,7 +398,13 @@ class DataParallel:
                 "optim_bytes": state_nbytes(self.optimizer)}
 
     def metrics(self) -> dict[str, float]:
-        return self.grads.take_times()
+        """The bucket timings, and ``dp_bytes``: what this rank sent for the step's
+        all-reduce of the gradients by the ring model (``averaging.ring_bytes``), to
+        compare with the averaging strategies."""
+        from hpctrain.parallel.averaging import ring_bytes
+
+        return {**self.grads.take_times(),
+                "dp_bytes": ring_bytes(self.grads.nbytes(), self.dp_size)}
 
 
 def state_nbytes(optimizer: Any) -> int:

@@ -1,0 +1,117 @@
+"""Heterogeneity-aware batches: each data-parallel rank's share of the global batch
+follows its speed, so unequal nodes finish their part of a step together.
+
+Shares ``b_r`` (``[parallel] shares``): "equal" (B / dp each), "fixed" (``batch_shares``)
+or "measured": rank r's speed ``s_r`` = samples / compute seconds over the steps since
+the last measurement, and ``b_r`` proportional to it (``proportional``: largest
+remainders, each a positive multiple of the microbatches), measured after the first
+``WARMUP`` steps and again every ``remeasure_every`` steps.
+
+The update stays the global-batch mean: rank r scales the gradient of its mean loss
+by ``b_r / B`` and the data group sums, ``sum_r b_r / B mean_r = (1 / B) sum_i g_i``; the
+reported loss is likewise ``sum_r b_r loss_r / B``. Rank r reads samples ``[o_r, o_r +
+b_r)`` of every global batch, ``o_r = sum_{q < r} b_q`` (``Loader.set_share``): the
+global batch is the same whatever the shares, so a change of shares at a step
+boundary, or a resume with other shares, loses and repeats nothing.
+
+Collective over the data group: ``after_step`` gathers every rank's compute time (one
+small all-gather per step, whose figures also go into metrics.jsonl as
+``rank_compute_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+WARMUP = 3  # steps measured before the first measured shares (allocation, caches)
+
+
+def proportional(speeds: list[float], total: int, multiple: int = 1) -> tuple[int, ...]:
+    """Shares of ``total`` proportional to ``speeds``, each a positive multiple of
+    ``multiple``, summing to ``total`` (largest remainders). Pure."""
+    units, n = total // multiple, len(speeds)
+    if total % multiple or units < n:
+        raise ValueError(f"total ({total}) must be a multiple of {multiple} with at least "
+                         f"one unit of {multiple} for each of {n} ranks")
+    speeds = [max(float(s), 0.0) for s in speeds]
+    if not all(math.isfinite(s) for s in speeds) or sum(speeds) <= 0:
+        speeds = [1.0] * n
+    ideal = [units * v / sum(speeds) for v in speeds]
+    got = [max(1, math.floor(x)) for x in ideal]
+    while sum(got) < units:  # the largest remainder first, ties to the lower rank
+        r = max(range(n), key=lambda q: (ideal[q] - got[q], -q))
+        got[r] += 1
+    while sum(got) > units:  # a rank raised to one unit takes it from the fullest
+        r = max((q for q in range(n) if got[q] > 1), key=lambda q: (got[q] - ideal[q], -q))
+        got[r] -= 1
+    return tuple(g * multiple for g in got)
+
+
+def offsets(shares: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each rank's samples start in the global batch."""
+    return tuple(int(o) for o in np.concatenate([[0], np.cumsum(shares)[:-1]]))
+
+
+class ShareBalancer:
+    """This rank's share of the global batch, and its re-measurement (module docstring).
+
+    ``share`` (b_r / B) is ``train_step``'s gradient scale and loss weight; the loader
+    is moved to the new samples whenever the shares change."""
+
+    def __init__(self, par: Any, batch_size: int, dp_comm: Any, loader: Any = None):
+        self.mode, self.every = par.shares, par.remeasure_every
+        self.batch, self.multiple = batch_size, par.microbatches
+        self.comm, self.rank = dp_comm, dp_comm.Get_rank()
+        self.loader = loader
+        dp = dp_comm.Get_size()
+        self.shares = (tuple(par.batch_shares) if par.shares == "fixed"
+                       else (batch_size // dp,) * dp)
+        self._seconds, self._samples, self._last = 0.0, 0, [0.0] * dp
+        self.changed = False
+        self._apply()
+
+    @property
+    def share(self) -> float:
+        return self.shares[self.rank] / self.batch
+
+    def _apply(self) -> None:
+        if self.loader is not None and self.mode != "equal":
+            self.loader.set_share(offsets(self.shares)[self.rank], self.shares[self.rank])
+
+    def after_step(self, step: int, compute_s: float) -> None:
+        """Record this rank's compute time of ``step``; gather every rank's; with
+        "measured", re-balance after the warm-up and every ``remeasure_every`` steps."""
+        self._last = self.comm.allgather(float(compute_s)) if self.comm.Get_size() > 1 \
+            else [float(compute_s)]
+        self.changed = False
+        if self.mode != "measured":
+            return
+        if step > WARMUP:
+            self._seconds += compute_s
+            self._samples += self.shares[self.rank]
+        due = step == WARMUP * 2 or (step > WARMUP * 2 and step % self.every == 0)
+        if not due or self._samples == 0:
+            return
+        speed = self._samples / max(self._seconds, 1e-9)
+        speeds = self.comm.allgather(speed) if self.comm.Get_size() > 1 else [speed]
+        new = proportional(speeds, self.batch, self.multiple)
+        self._seconds, self._samples = 0.0, 0
+        if new != self.shares:
+            self.shares, self.changed = new, True
+            self._apply()
+
+    def metrics(self) -> dict:
+        if self.mode == "equal":
+            return {}
+        return {"batch_shares": list(self.shares), "rank_compute_s": list(self._last)}
+
+    def state(self) -> dict:
+        return {"shares": list(self.shares)}
+
+    def load_state(self, saved: dict | None) -> None:
+        if saved and self.mode == "measured":
+            self.shares = tuple(int(n) for n in saved["shares"])
+            self._apply()

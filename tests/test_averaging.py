@@ -1,0 +1,113 @@
+"""Averaging strategies and batch shares without MPI: when each strategy meets, the
+shares' arithmetic, the loader's exactness under unequal and changing shares, and
+every configuration refusal (before any collective)."""
+
+import numpy as np
+import pytest
+
+from hpctrain.config import Config, ConfigError, ParallelConfig, TrainConfig
+from hpctrain.data import DataError, open_loader
+from hpctrain.parallel.averaging import Schedule, ring_bytes
+from hpctrain.parallel.shares import offsets, proportional
+
+
+def test_when_each_strategy_meets():
+    steps = range(1, 13)
+    assert [s for s in steps if Schedule("periodic", 4).averages(s)] == [4, 8, 12]
+    assert not any(Schedule("periodic", 4).synchronous(s) for s in steps)
+    post = Schedule("post_local", 4, sync_steps=3)
+    assert [s for s in steps if post.synchronous(s)] == [1, 2, 3]
+    assert [s for s in steps if post.averages(s)] == [7, 11]
+    assert [s for s in steps if Schedule("diloco", 5).averages(s)] == [5, 10]
+    assert all(Schedule("periodic", 1).averages(s) for s in steps)
+    assert all(Schedule("sync").synchronous(s) and not Schedule("sync").averages(s)
+               for s in steps)
+
+
+def test_ring_bytes():
+    assert ring_bytes(1000, 1) == 0 and ring_bytes(1000, 2) == 1000
+    assert ring_bytes(1000, 4) == 1500
+
+
+@pytest.mark.parametrize("speeds,total,multiple,want", [
+    ([1, 1], 12, 1, (6, 6)),
+    ([2, 1], 12, 1, (8, 4)),
+    ([1.0, 0.5], 12, 2, (8, 4)),
+    ([1, 0], 8, 1, (7, 1)),  # a stalled rank keeps one sample
+    ([3, 1, 1, 1], 12, 1, (6, 2, 2, 2)),
+    ([1, 1, 1], 10, 1, (4, 3, 3)),  # remainders to the first ranks
+])
+def test_proportional_shares(speeds, total, multiple, want):
+    got = proportional(speeds, total, multiple)
+    assert got == want and sum(got) == total and all(g % multiple == 0 for g in got)
+
+
+def test_proportional_shares_refuse_what_cannot_be_split():
+    with pytest.raises(ValueError, match=r"total \(3\) must be a multiple of 2"):
+        proportional([1, 1], 3, 2)
+    with pytest.raises(ValueError, match="at least one unit"):
+        proportional([1, 1, 1], 2, 1)
+
+
+def test_offsets():
+    assert offsets((8, 4)) == (0, 8) and offsets((2, 3, 5)) == (0, 2, 5)
+
+
+@pytest.mark.parametrize("kind", ["tokens", "images"])
+def test_unequal_and_changed_shares_read_each_global_batch_exactly(tmp_path, datasets, kind):
+    path = (datasets.make_tokens if kind == "tokens" else datasets.make_images)(
+        tmp_path / f"{kind}.h5")
+    kw = dict(batch_size=12, seed=3, seq_len=8 if kind == "tokens" else None)
+    with open_loader(path, dp_rank=0, dp_size=1, **kw) as whole:
+        want = [whole.next_batch() for _ in range(6)]
+    # two ranks: shares (8, 4) for 3 steps, then (2, 10), set between steps
+    loaders = [open_loader(path, dp_rank=r, dp_size=2, prefetch=r == 0, **kw) for r in (0, 1)]
+    got = []
+    for step in range(6):
+        if step in (0, 3):
+            shares = (8, 4) if step == 0 else (2, 10)
+            for r, loader in enumerate(loaders):
+                loader.set_share(offsets(shares)[r], shares[r])
+        parts = [loader.next_batch() for loader in loaders]
+        got.append(tuple(np.concatenate([p[i] for p in parts]) for i in range(2)))
+    for loader in loaders:
+        loader.close()
+    for (gx, gy), (wx, wy) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(gx, wx)
+        np.testing.assert_array_equal(gy, wy)
+
+
+def test_a_share_outside_the_global_batch_is_refused(tmp_path, datasets):
+    path = datasets.make_images(tmp_path / "images.h5")
+    with open_loader(path, batch_size=12, dp_rank=0, dp_size=2, seed=0) as loader:
+        with pytest.raises(DataError, match=r"samples \[10, 14\) must lie in the global "
+                                            r"batch of 12"):
+            loader.set_share(10, 4)
+
+
+def cfg(**par) -> Config:
+    return Config(parallel=ParallelConfig(**par), train=TrainConfig(batch_size=12))
+
+
+@pytest.mark.parametrize("par,message", [
+    (dict(averaging="periodic", average_every=0), r"average_every \(0\) must be at least 1"),
+    (dict(averaging="diloco", outer_lr=0.0), r"outer_lr \(0.0\) must be positive"),
+    (dict(averaging="diloco", outer_momentum=1.0), r"outer_momentum \(1.0\) must be in"),
+    (dict(averaging="gossip"), "averaging .'gossip'. must be one of"),
+    (dict(averaging="periodic", zero=1), r"zero \(1\) must be 0"),
+    (dict(shares="fixed", batch_shares=(8, 3)), r"must sum to batch_size \(12\), not 11"),
+    (dict(shares="fixed", batch_shares=(12, 0)), r"positive multiple of microbatches"),
+    (dict(shares="fixed", batch_shares=(4, 4, 4)), "one entry per data-parallel rank"),
+    (dict(shares="fixed"), "go with shares 'fixed'"),
+    (dict(shares="equal", batch_shares=(6, 6)), "go with shares 'fixed'"),
+    (dict(shares="measured", averaging="periodic"), "needs averaging 'sync'"),
+    (dict(shares="measured", remeasure_every=0), r"remeasure_every \(0\) must be at least"),
+])
+def test_bad_averaging_and_shares_are_refused(par, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg(**par).validate(2)
+
+
+def test_good_settings_validate():
+    assert cfg(averaging="diloco", average_every=8).validate(2).parallel.outer_lr == 0.7
+    assert cfg(shares="fixed", batch_shares=(8, 4)).validate(2).parallel.dp == 2
