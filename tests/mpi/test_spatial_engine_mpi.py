@@ -85,3 +85,49 @@ def test_spatial_and_data_parallel_equal_serial(comm, model):
                                   got[:4], serial[:4], strict=True):
                 assert_close_all(comm, a, b, rtol=1e-10, atol=1e-12, what=f"{what}, {where}")
             assert got[4] == serial[4], f"parameter names differ at {where}"
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_saved_split_in_space_loads_whole(comm):
+    """Saved at sp = 2 (every rank holds whole weights), loaded on one rank: the same
+    weights, BatchNorm buffers and AdamW state, bitwise."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from hpctrain.checkpoint import load_training, save_training
+    from hpctrain.checkpoint.state import held_tensors
+
+    size = comm.Get_size()
+    if size % 2:
+        pytest.skip("needs an even world")
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="hpctrain-sp-") if comm.Get_rank() == 0
+                           else None))
+    batch = size  # dp = size / 2: two samples per data-parallel rank
+    data = batches(SEG, batch)
+    cfg = config(SEG, size, 2, batch)
+    topo = Topology.build(comm, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    b = batch // topo.dp_size
+    rows = slice(topo.dp_rank * b, (topo.dp_rank + 1) * b)
+    for x, y in data:
+        train_step(engine, dp, x[rows], y[rows], lr=1e-2, grad_clip=1.0)
+    path = save_training(cfg, topo, engine, dp, step=len(data), loader_state=None, root=root)
+    saved = {h.name: h.array.copy() for h in held_tensors(engine, dp, 0, 1)}
+    topo.free()
+    ok = True
+    if comm.Get_rank() == 0:
+        serial = config(SEG, 1, 1, batch)
+        solo = Topology.build(MPI.COMM_SELF, serial.parallel)
+        e1 = build_engine(serial, solo)
+        d1 = make_data_parallel(serial, e1, solo)
+        load_training(path, serial, solo, e1, d1, root=root / "elsewhere")
+        loaded = {h.name: h.array for h in held_tensors(e1, d1, 0, 1)}
+        ok = saved.keys() == loaded.keys() and all(np.array_equal(saved[k], loaded[k])
+                                                   for k in saved)
+        solo.free()
+        shutil.rmtree(root, ignore_errors=True)
+    from hpctrain.testing import assert_all
+
+    assert_all(comm, ok, "weights saved at sp=2 load bitwise on one rank")
