@@ -15,7 +15,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 
 .DEFAULT_GOAL := help
-.PHONY: help install system-deps data demo bench bench-cluster plot test test-serial test-mpi \
+.PHONY: help install system-deps data demo bench bench-cluster bench-averaging plot test test-serial test-mpi \
         test-cluster test-cluster-if-root test-slurm cluster-down lint clean
 
 help: ## list the targets
@@ -57,6 +57,9 @@ bench: install data/shakespeare.h5 ## the benchmark GPT at serial, dp=2, tp=2, p
 
 bench-cluster: install data/shakespeare.h5 ## links, flat vs hierarchical sync, GPT across nodes, per-node GEMM (root, ~10 min)
 	$(TEST_ENV) $(PY) benchmarks/bench_cluster.py --out runs/bench-cluster
+
+bench-averaging: install data/shakespeare.h5 ## averaging strategies at 100 Mbit/s, batch shares on unequal nodes (root, ~20 min)
+	$(TEST_ENV) $(PY) benchmarks/bench_averaging.py --out runs/bench-averaging
 
 plot: ## PNG loss curves of the demo run (runs/demo/loss.png)
 	$(BIN)/hpctrain plot runs/demo

@@ -14,6 +14,8 @@ from hpctrain import __version__
 from hpctrain.bench_cli import bench_command
 from hpctrain.ckpt_cli import ckpt
 from hpctrain.cluster.cli import cluster
+from hpctrain.plan.calibrate import calibrate_command
+from hpctrain.plan.search import plan as plan_command
 from hpctrain.plot_cli import plot
 from hpctrain.slurm.cli import slurm
 
@@ -194,8 +196,10 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
 
 
 main.add_command(bench_command)
+main.add_command(calibrate_command)
 main.add_command(ckpt)
 main.add_command(cluster)
+main.add_command(plan_command)
 main.add_command(plot)
 main.add_command(slurm)
 

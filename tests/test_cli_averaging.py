@@ -57,11 +57,11 @@ def test_fixed_shares_and_a_resume_with_other_shares_give_the_serial_curve(confi
 
 @pytest.mark.slow
 def test_measured_shares_record_their_choice(config_file):
-    want = [r["loss"] for r in run(config_file, 1, "serial10", "--steps", "10")]
-    records = run(config_file, 2, "measured", "--shares", "measured", "--steps", "10")
+    want = [r["loss"] for r in run(config_file, 1, "serial14", "--steps", "14")]
+    records = run(config_file, 2, "measured", "--shares", "measured", "--steps", "14")
     shares = [r["batch_shares"] for r in records]
     assert all(sum(s) == 12 and min(s) >= 1 for s in shares)
-    assert shares[:6] == [[6, 6]] * 6  # equal until measured, after step 6
+    assert shares[:10] == [[6, 6]] * 10  # equal until measured, after step 10
     # whatever the shares, the update is the global mean: the serial curve
     np.testing.assert_allclose([r["loss"] for r in records], want, rtol=1e-10)
 

@@ -47,12 +47,12 @@ def test_nodes_are_numbered_addressed_pinned_and_capped():
     assert [n.hostname for n in spec.nodes] == ["emu0", "emu1", "emu2"]
     assert [n.address for n in spec.nodes] == ["10.213.0.10", "10.213.0.11", "10.213.0.12"]
     assert [n.cpus for n in spec.nodes] == [(0,), (1,), (0, 1)]  # round robin over 2 cores
-    assert [n.quota_us for n in spec.nodes] == [100_000, 100_000, 100_000]
+    assert [n.quota_us for n in spec.nodes] == [10_000, 10_000, 10_000]
     assert [n.cpu_cores for n in spec.nodes] == [1.0, 1.0, 1.0]
     assert [n.link_bps for n in spec.nodes] == [10**8, 10**8, 10**9]
     assert spec.bridge == "emubr" and spec.host_address == "10.213.0.1"
     assert spec.netns(spec.nodes[2]) == "emu-emu2" and spec.switch_port(spec.nodes[2]) == "emuv2"
-    assert build(nodes=[{"count": 1, "cpu_share": 0.5}]).nodes[0].quota_us == 50_000
+    assert build(nodes=[{"count": 1, "cpu_share": 0.5}]).nodes[0].quota_us == 5_000
     quota = build(cpu_limit="quota", nodes=[{"count": 2}])
     assert [n.cpus for n in quota.nodes] == [(), ()]
 
@@ -176,8 +176,8 @@ def test_cgroup_v1_plan_pins_caps_and_counts_each_node(tmp_path):
     assert steps["cpuset/hpctrain-emu/cpuset.cpus"] == "0-1"  # the parent has cores first
     assert steps["cpuset/hpctrain-emu/emu1/cpuset.cpus"] == "1"
     assert steps["cpuset/hpctrain-emu/emu1/cpuset.mems"] == "0"
-    assert steps["cpu/hpctrain-emu/emu0/cpu.cfs_quota_us"] == "100000"
-    assert steps["cpu/hpctrain-emu/emu1/cpu.cfs_quota_us"] == "50000"
+    assert steps["cpu/hpctrain-emu/emu0/cpu.cfs_quota_us"] == "10000"
+    assert steps["cpu/hpctrain-emu/emu1/cpu.cfs_quota_us"] == "5000"
     assert steps["cpuacct/hpctrain-emu/emu1"] is None
     order = [str(p.relative_to(root)) for p, _ in cpu.plan(cg, spec)]
     assert order.index("cpuset/hpctrain-emu/cpuset.mems") < order.index("cpuset/hpctrain-emu/emu0")
@@ -194,8 +194,8 @@ def test_cgroup_v2_plan_enables_the_controllers_then_caps_each_node(tmp_path):
     steps = [(str(p.relative_to(root)), v) for p, v in cpu.plan(cg, spec)]
     assert steps[:3] == [("cgroup.subtree_control", "+cpu +cpuset"), ("hpctrain-emu", None),
                          ("hpctrain-emu/cgroup.subtree_control", "+cpu +cpuset")]
-    assert ("hpctrain-emu/emu0/cpu.max", "50000 100000") in steps
-    assert ("hpctrain-emu/emu1/cpu.max", "200000 100000") in steps
+    assert ("hpctrain-emu/emu0/cpu.max", "5000 10000") in steps
+    assert ("hpctrain-emu/emu1/cpu.max", "20000 10000") in steps
     assert ("hpctrain-emu/emu1/cpuset.cpus", "0,1") in steps
     assert cpu.procs_files(cg, spec, spec.nodes[0]) == [root / "hpctrain-emu/emu0/cgroup.procs"]
 

@@ -40,7 +40,12 @@ from typing import Any
 from hpctrain.config import ConfigError, read_toml
 
 CPU_LIMITS = ("cpuset", "quota")
-PERIOD_US = 100_000  # the CFS period the CPU quota is a share of
+# the CFS period the CPU quota is a share of. Short, so that a node capped at half a core
+# runs 5 ms of every 10 instead of 50 of every 100: a real slow node is slow all the
+# time, while a 50 ms stop left its peers waiting in the next collective (measured by
+# benchmarks/bench_averaging.py: 28-42 ms a step in the guard's check at 100 ms, 2 ms at
+# 10 ms)
+PERIOD_US = 10_000
 FIRST_NODE_HOST = 10  # node k's address is subnet[FIRST_NODE_HOST + k]
 MAX_NODES = 64
 DEFAULT_NAME = "hpct"

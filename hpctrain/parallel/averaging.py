@@ -32,6 +32,10 @@ in the node) for hierarchical. The gradient norm and clipping are this rank's. W
 average of the ranks' updates is the update of the averaged gradient, momentum being
 linear); with AdamW it does not (the update is not linear in the gradient).
 
+Evaluation: each rank evaluates its own parameters, so between meetings the validation
+loss is the mean of the replicas' losses, not the loss of their average; evaluate at
+meeting steps (an ``eval_interval`` that H divides) to compare with synchronous runs.
+
 Bytes: ``metrics()`` reports ``dp_bytes``, what this rank sent in the step's data-group
 collectives by the ring model (an all-reduce of n bytes over p ranks sends 2 (p - 1) /
 p n), so strategies compare by the bytes the link carries.

@@ -2,10 +2,11 @@
 follows its speed, so unequal nodes finish their part of a step together.
 
 Shares ``b_r`` (``[parallel] shares``): "equal" (B / dp each), "fixed" (``batch_shares``)
-or "measured": rank r's speed ``s_r`` = samples / compute seconds over the steps since
-the last measurement, and ``b_r`` proportional to it (``proportional``: largest
-remainders, each a positive multiple of the microbatches), measured after the first
-``WARMUP`` steps and again every ``remeasure_every`` steps.
+or "measured": rank r's speed ``s_r``, the median over the steps since the last
+measurement of its samples / compute seconds (a median: one step slowed by a neighbour
+or the OS does not move it), and ``b_r`` proportional to it (``proportional``: largest
+remainders, each a positive multiple of the microbatches); first set after step
+``FIRST`` from the steps after ``WARMUP``, then every ``remeasure_every`` steps.
 
 The update stays the global-batch mean: rank r scales the gradient of its mean loss
 by ``b_r / B`` and the data group sums, ``sum_r b_r / B mean_r = (1 / B) sum_i g_i``; the
@@ -26,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-WARMUP = 3  # steps measured before the first measured shares (allocation, caches)
+WARMUP = 3  # first steps never measured (allocation, caches)
+FIRST = 10  # the step after which measured shares are first set
 
 
 def proportional(speeds: list[float], total: int, multiple: int = 1) -> tuple[int, ...]:
@@ -69,7 +71,8 @@ class ShareBalancer:
         dp = dp_comm.Get_size()
         self.shares = (tuple(par.batch_shares) if par.shares == "fixed"
                        else (batch_size // dp,) * dp)
-        self._seconds, self._samples, self._last = 0.0, 0, [0.0] * dp
+        self._rates: list[float] = []  # this rank's samples / compute second per step
+        self._last = [0.0] * dp
         self.changed = False
         self._apply()
 
@@ -90,15 +93,14 @@ class ShareBalancer:
         if self.mode != "measured":
             return
         if step > WARMUP:
-            self._seconds += compute_s
-            self._samples += self.shares[self.rank]
-        due = step == WARMUP * 2 or (step > WARMUP * 2 and step % self.every == 0)
-        if not due or self._samples == 0:
+            self._rates.append(self.shares[self.rank] / max(compute_s, 1e-9))
+        due = step == FIRST or (step > FIRST and step % self.every == 0)
+        if not due or not self._rates:
             return
-        speed = self._samples / max(self._seconds, 1e-9)
+        speed = float(np.median(self._rates))
         speeds = self.comm.allgather(speed) if self.comm.Get_size() > 1 else [speed]
         new = proportional(speeds, self.batch, self.multiple)
-        self._seconds, self._samples = 0.0, 0
+        self._rates = []
         if new != self.shares:
             self.shares, self.changed = new, True
             self._apply()

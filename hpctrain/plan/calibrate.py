@@ -1,0 +1,499 @@
+"""``hpctrain calibrate``: measure this machine and write its cluster description.
+
+Three measurements, each in its own MPI job that this command launches
+(``mpiexec -n R python -m mpi4py -m hpctrain.plan.calibrate --worker ...``; under
+``-m mpi4py`` an exception on one rank aborts the job, and every job has a timeout):
+
+* **GEMM**, for each ranks-per-node count r: r ranks at once, each with ``cores // r``
+  BLAS threads, time float32 ``(n, n) @ (n, n)`` products (a warm-up, then the best
+  of ``repeats`` batches, all ranks starting together). A rank's rate is
+  ``2 n^3 / t``; the table keeps the median over ranks for each n.
+* **Collectives inside the node**, over p = 2 ranks (and p = cores if larger):
+  ``Allreduce``, ``Allgather``, ``Reduce_scatter_block`` and a ``Send``/``Recv``
+  ping-pong between ranks 0 and 1 (one way: half the round trip), on float32 buffers.
+  n bytes is the all-reduce's buffer, the all-gather's result, the reduce-scatter's
+  input (the whole, as ``cluster.volume`` counts it) and the one-way message. Each
+  sample is a batch of calls after a barrier, timed on every rank; a size's time is
+  the median over ``repeats`` samples of the slowest rank's.
+* **Fit**, per op, over every (p, n) measured: ``t = steps(p) a + volume(p, n) / b``
+  (``cluster.steps``, ``cluster.volume``), least squares in *relative* error so the
+  latency-bound small messages count as much as the bandwidth-bound large ones;
+  ``a >= 0``. ``fit_link`` is pure and tested on synthetic times.
+
+One node is measured, so ``links.inter`` is a copy of ``links.intra`` (the file says
+so in a comment): edit it, or measure a real network, before planning across nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+import numpy as np
+
+from hpctrain.plan import cluster as cl
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (64, 128, 256, 512, 1024, 2048)
+DEFAULT_MESSAGES = tuple(KiB * 4**i for i in range(9))  # 1 KiB .. 64 MiB
+QUICK_SIZES = (64, 128, 256)
+QUICK_MESSAGES = (KiB, 16 * KiB, 256 * KiB)
+GEMM_BATCH_FLOP = 2e8  # a timed GEMM sample runs products until about this many FLOPs
+COMM_BATCH_BYTES = MiB  # a timed collective sample runs calls until about this many bytes
+RESULT_TAG = "CALIBRATE-RESULT "  # rank 0's stdout line carrying the measurements
+
+
+# ---------------------------------------------------------------------------------
+# the fit (pure)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured collective: ``op`` over ``p`` ranks on ``nbytes``, ``seconds``."""
+
+    op: str
+    p: int
+    nbytes: int
+    seconds: float
+
+
+def fit_link(op: str, samples: list[Sample]) -> cl.Link:
+    """The alpha-beta ``Link`` of ``op`` from its samples, by least squares in relative
+    error: minimise ``sum_i ((s_i a + v_i x) / t_i - 1)^2`` over ``a >= 0``, ``x > 0``,
+    with ``s_i = steps(op, p_i)``, ``v_i = volume(op, p_i, n_i)``; ``b = 1 / x``.
+
+    Dividing each row by its time weights a 2 us latency-bound point like a 20 ms
+    bandwidth-bound one. If the unconstrained optimum has ``a < 0`` (bandwidth alone
+    explains the times), ``a = 0`` and ``x`` is refitted alone.
+    """
+    if len(samples) < 2 or len({(s.p, s.nbytes) for s in samples}) < 2:
+        raise ValueError(f"{op}: fitting latency and bandwidth needs two or more message "
+                         f"sizes (got {len(samples)} sample(s))")
+    t = np.array([s.seconds for s in samples])
+    if not np.all(t > 0):
+        raise ValueError(f"{op}: every measured time must be positive (got {t.min()})")
+    design = np.array([[cl.steps(op, s.p), cl.volume(op, s.p, s.nbytes)] for s in samples])
+    rows = design / t[:, None]  # (N, 2): relative-error rows
+    ones = np.ones(len(samples))
+    a, x = np.linalg.lstsq(rows, ones, rcond=None)[0]
+    if a < 0:
+        v = rows[:, 1]
+        a, x = 0.0, float(v @ ones / (v @ v))
+    if not x > 0:
+        raise ValueError(f"{op}: the measured times do not grow with the message size, "
+                         f"so no bandwidth fits; measure larger messages (--messages)")
+    return cl.Link(latency_s=float(a), bandwidth_Bps=float(1.0 / x))
+
+
+# ---------------------------------------------------------------------------------
+# the MPI worker: `python -m mpi4py -m hpctrain.plan.calibrate --worker ...`
+
+
+def _progress(comm, text: str) -> None:
+    if comm.Get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def gemm_rates(comm, sizes: list[int], repeats: int) -> dict[int, list[float]]:
+    """Each rank's float32 ``n x n x n`` FLOP/s for every n, all ranks at once; a dict
+    n -> [rate of rank 0, rank 1, ...] on every rank. Collective over ``comm``."""
+    out = {}
+    for n in sizes:
+        rng = np.random.default_rng(comm.Get_rank())
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        c = np.empty((n, n), np.float32)
+        batch = max(1, int(GEMM_BATCH_FLOP / (2.0 * n**3)))
+        np.matmul(a, b, out=c)  # warm-up: BLAS threads started, pages touched
+        best = float("inf")
+        for _ in range(repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                np.matmul(a, b, out=c)
+            best = min(best, (time.perf_counter() - t0) / batch)
+        rates = np.empty(comm.Get_size())
+        comm.Allgather(np.array([2.0 * n**3 / best]), rates)
+        out[n] = rates.tolist()
+        _progress(comm, f"  gemm  {comm.Get_size()} rank(s)  n = {n:5d}: "
+                        + ", ".join(f"{r / 1e9:.1f}" for r in rates) + " GFLOP/s per rank")
+        del a, b, c
+    comm.Barrier()
+    return out
+
+
+def _collective(comm, op: str, nbytes: int):
+    """A zero-argument call of ``op`` on float32 buffers of ``nbytes`` (the whole, as
+    ``cluster.volume`` counts it; rounded down to a multiple of 4 p bytes), and the
+    bytes it actually moves."""
+    from mpi4py import MPI
+
+    p, rank = comm.Get_size(), comm.Get_rank()
+    count = max(p, nbytes // 4 // p * p)
+    if op == "all_reduce":
+        x, y = np.ones(count, np.float32), np.empty(count, np.float32)
+        return (lambda: comm.Allreduce(x, y, op=MPI.SUM)), 4 * count
+    if op == "all_gather":
+        x, y = np.ones(count // p, np.float32), np.empty(count, np.float32)
+        return (lambda: comm.Allgather(x, y)), 4 * count
+    if op == "reduce_scatter":
+        x, y = np.ones(count, np.float32), np.empty(count // p, np.float32)
+        return (lambda: comm.Reduce_scatter_block(x, y, op=MPI.SUM)), 4 * count
+    count = max(1, nbytes // 4)  # p2p: ranks 0 and 1 ping-pong, the others wait
+    buf = np.ones(count, np.float32)
+
+    def ping_pong():
+        if rank == 0:
+            comm.Send(buf, dest=1, tag=7)
+            comm.Recv(buf, source=1, tag=7)
+        elif rank == 1:
+            comm.Recv(buf, source=0, tag=7)
+            comm.Send(buf, dest=0, tag=7)
+    return ping_pong, 4 * count
+
+
+def collective_times(comm, messages: list[int], repeats: int) -> list[Sample]:
+    """Seconds of each op on each message size over ``comm`` (see the module): the
+    median over ``repeats`` of the slowest rank's mean over a batch; no ping-pong on one
+    rank. Collective."""
+    from mpi4py import MPI
+
+    p = comm.Get_size()
+    samples = []
+    for op in [op for op in cl.OPS if p > 1 or op != "p2p"]:
+        for nbytes in messages:
+            call, moved = _collective(comm, op, nbytes)
+            batch = max(1, min(1000, COMM_BATCH_BYTES // moved))
+            call()  # warm-up: connections made, pages touched
+            local = np.empty(repeats)
+            for i in range(repeats):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(batch):
+                    call()
+                local[i] = (time.perf_counter() - t0) / batch
+            if op == "p2p":
+                local /= 2  # one way: half the round trip
+                if comm.Get_rank() > 1:
+                    local[:] = 0.0
+            slowest = np.empty(repeats)
+            comm.Allreduce(local, slowest, op=MPI.MAX)
+            seconds = float(np.median(slowest))
+            samples.append(Sample(op, 2 if op == "p2p" else p, moved, seconds))
+            _progress(comm, f"  {op:14s} p = {p}  {_bytes(moved):>9s}: {seconds * 1e6:10.1f} us")
+    return samples
+
+
+def worker(argv: list[str]) -> None:
+    """Rank 0 prints one ``RESULT_TAG`` line of JSON: GEMM rates and collective samples."""
+    parser = argparse.ArgumentParser(prog="hpctrain.plan.calibrate --worker")
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--sizes", default="")
+    parser.add_argument("--messages", default="")
+    parser.add_argument("--gemm-repeats", type=int, default=1)
+    parser.add_argument("--comm-repeats", type=int, default=1)
+    args = parser.parse_args(argv)
+    from mpi4py import MPI
+
+    from hpctrain.runtime import set_blas_threads
+
+    comm = MPI.COMM_WORLD
+    set_blas_threads(args.threads)
+    ints = [int(v) for v in args.sizes.split(",") if v]
+    messages = [int(v) for v in args.messages.split(",") if v]
+    result = {"ranks": comm.Get_size(), "threads": args.threads, "gemm": {}, "samples": []}
+    if ints:
+        result["gemm"] = gemm_rates(comm, ints, args.gemm_repeats)
+    if messages:
+        if comm.Get_size() < 2:
+            raise SystemExit("collectives need two or more ranks")
+        result["samples"] = [s.__dict__ for s in collective_times(comm, messages,
+                                                                  args.comm_repeats)]
+    if comm.Get_rank() == 0:
+        print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------
+# the command: launch the workers, fit, write, read back
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
+def _parse_bytes(text: str) -> int:
+    t = text.strip()
+    for suffix, mult in (("KiB", KiB), ("MiB", MiB), ("GiB", 1 << 30), ("K", KiB),
+                         ("M", MiB), ("G", 1 << 30), ("B", 1)):
+        if t.endswith(suffix):
+            return int(t[: -len(suffix)].strip()) * mult
+    return int(t)
+
+
+def _int_list(what: str, parse=int):
+    """A click callback: a comma-separated list of positive integers, or a BadParameter
+    naming the value."""
+
+    def callback(ctx, param, value):
+        if value is None:
+            return None
+        items = [v for v in value.split(",") if v.strip()]
+        if not items:
+            raise click.BadParameter(f"{value!r} lists no {what}")
+        out = []
+        for item in items:
+            try:
+                n = parse(item)
+            except ValueError:
+                raise click.BadParameter(f"{item.strip()!r} is not a {what[:-1]}") from None
+            if n <= 0:
+                raise click.BadParameter(f"{what[:-1]} ({item.strip()}) must be positive")
+            out.append(n)
+        return tuple(sorted(set(out)))
+    return callback
+
+
+def core_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def memory_gib() -> float:
+    """MemTotal of /proc/meminfo, in GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * KiB / 2**30
+    raise click.ClickException("no MemTotal in /proc/meminfo")
+
+
+def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
+               repeats: tuple[int, int], timeout: float) -> dict:
+    """One MPI job of ``ranks`` ranks; its progress goes to stderr as it runs, its
+    result comes back. A failure or a timeout is a ClickException with the command."""
+    cmd = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
+           "hpctrain.plan.calibrate", "--worker", "--threads", str(threads),
+           "--sizes", ",".join(map(str, sizes)), "--messages", ",".join(map(str, messages)),
+           "--gemm-repeats", str(repeats[0]), "--comm-repeats", str(repeats[1])]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    # a session of its own, so that a timeout ends mpiexec and every rank it started
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise click.ClickException(f"the MPI job took more than {timeout:g} s (--timeout) "
+                                   f"and was killed: {shlex.join(cmd)}") from None
+    if proc.returncode != 0:
+        raise click.ClickException(f"the MPI job failed (exit status {proc.returncode}): "
+                                   f"{shlex.join(cmd)}")
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    raise click.ClickException(f"the MPI job printed no result: {shlex.join(cmd)}")
+
+
+def fit_report(op: str, link: cl.Link, samples: list[Sample]) -> list[str]:
+    """Lines: measured against fitted time for each sample, relative error."""
+    lines = [f"{op}: latency {link.latency_s * 1e6:.2f} us, "
+             f"bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s"]
+    for s in samples:
+        fitted = link.time(op, s.p, s.nbytes)
+        lines.append(f"  p = {s.p}  {_bytes(s.nbytes):>9s}  measured {s.seconds * 1e6:10.1f} us"
+                     f"  fitted {fitted * 1e6:10.1f} us  {fitted / s.seconds - 1:+7.1%}")
+    return lines
+
+
+def header(command: str, how: str, load: str) -> str:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n".join([
+        f"# Written by `hpctrain calibrate` on {socket.gethostname()}, {when}:",
+        f"#   {command}",
+        f"#   ({how})",
+        f"# /proc/loadavg before measuring: {load}",
+        "# GEMM: float32 n x n x n, each rank's FLOP/s (median over ranks, best of repeats)",
+        "# links: least-squares alpha-beta fits (relative error) of MPI collectives", "", ""])
+
+
+INTER_NOTE = ("# inter: one node was measured, so these are the intra-node fits copied: "
+              "replace them\n# with a real network's before planning across nodes\n")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to measure: GEMM tables at ``ranks_per_node``, collectives over ``comm_ranks``."""
+
+    cores: int
+    ranks_per_node: tuple[int, ...]
+    sizes: tuple[int, ...]
+    messages: tuple[int, ...]
+    gemm_repeats: int
+    comm_repeats: int
+
+    @property
+    def comm_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({2, self.cores}))
+
+    def describe(self) -> str:
+        return (f"ranks per node {','.join(map(str, self.ranks_per_node))}; GEMM n "
+                f"{','.join(map(str, self.sizes))}, best of {self.gemm_repeats}; collectives "
+                f"over p = {','.join(map(str, self.comm_ranks))}, {_bytes(self.messages[0])} "
+                f"to {_bytes(self.messages[-1])}, median of {self.comm_repeats}")
+
+
+def measure(plan: Settings, launcher: str, timeout: float):
+    """Run the MPI jobs: one per rank count (GEMM and collectives share a job when both
+    use it). Returns ``{ranks: ((n, median FLOP/s), ...)}`` and the collective samples."""
+    gemm, samples = {}, []
+    for ranks in sorted(set(plan.ranks_per_node) | set(plan.comm_ranks)):
+        do_gemm, do_comm = ranks in plan.ranks_per_node, ranks in plan.comm_ranks
+        threads = max(1, plan.cores // ranks)
+        what = " and ".join(w for w, on in (("GEMM", do_gemm), ("collectives", do_comm)) if on)
+        click.echo(f"== {ranks} rank(s), {threads} BLAS thread(s) each: {what}", err=True)
+        t0 = time.perf_counter()
+        result = run_worker(launcher, ranks, threads, plan.sizes if do_gemm else (),
+                            plan.messages if do_comm else (),
+                            (plan.gemm_repeats, plan.comm_repeats), timeout)
+        if do_gemm:
+            gemm[ranks] = tuple(sorted((int(n), statistics.median(rates))
+                                       for n, rates in result["gemm"].items()))
+        samples += [Sample(**s) for s in result["samples"]]
+        click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
+    return gemm, samples
+
+
+def summary(c: cl.Cluster, path: str) -> str:
+    kind = next(iter(c.kinds.values()))
+    lines = ["", "GEMM, GFLOP/s per rank (median over ranks), by n:"]
+    for ranks, table in sorted(kind.gemm.items()):
+        lines.append(f"  {ranks} rank(s)/node: "
+                     + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in table))
+    lines.append("links (intra; inter = intra, one node measured):")
+    for op, link in c.links["intra"].items():
+        lines.append(f"  {op:14s} latency {link.latency_s * 1e6:7.2f} us  "
+                     f"bandwidth {link.bandwidth_Bps / 1e9:6.2f} GB/s")
+    lines.append(f"wrote {path} (read back: {c.num_nodes} node, {kind.cores} cores, "
+                 f"{kind.memory_bytes / 2**30:.1f} GiB)")
+    return "\n".join(lines)
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as the user gave it (options they left out, left out)."""
+    words = ["hpctrain", "calibrate"]
+    for param in ctx.command.params:
+        if ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
+            continue
+        flag = param.opts[0]
+        value = ctx.params[param.name]
+        if param.is_flag:
+            words.append(flag)
+        else:
+            words += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return shlex.join(words)
+
+
+@click.command(name="calibrate")
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="The cluster description to write (TOML, as `hpctrain plan` reads it).")
+@click.option("--ranks-per-node", callback=_int_list("counts"),
+              help="Ranks-per-node counts to measure GEMM tables for, comma-separated "
+                   "[default: 1 and the core count].")
+@click.option("--sizes", callback=_int_list("sizes"),
+              help="GEMM sides n (n x n x n float32 products), comma-separated "
+                   f"[default: {','.join(map(str, DEFAULT_SIZES))}; --quick: "
+                   f"{','.join(map(str, QUICK_SIZES))}].")
+@click.option("--messages", callback=_int_list("messages", _parse_bytes),
+              help="Collective message sizes in bytes (suffixes KiB, MiB allowed), "
+                   "comma-separated [default: 1KiB to 64MiB by x4; --quick: 1KiB,16KiB,256KiB].")
+@click.option("--repeats", type=click.IntRange(min=1),
+              help="Timed samples per measurement [default: 5 for GEMM and 15 for "
+                   "collectives; --quick: 2].")
+@click.option("--name", help="The cluster's name in the file [default: the host name].")
+@click.option("--mpiexec", help="MPI launcher (default: the one beside this Python).")
+@click.option("--timeout", default=600, show_default=True, type=click.IntRange(min=1),
+              help="Seconds one MPI job may take before it is killed.")
+@click.option("--quick", is_flag=True,
+              help="Few sizes and repeats (seconds, for tests): the figures are rough.")
+def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, mpiexec,
+                      timeout: int, quick: bool) -> None:
+    """Measure this machine (GEMM rates, MPI collectives) and write its cluster file.
+
+    GEMM: for each ranks-per-node count r, r ranks at once, each with cores // r BLAS
+    threads, time float32 n x n x n products; each n keeps the median rank's rate.
+    Collectives: over 2 ranks (and over the core count if larger) all-reduce,
+    all-gather, reduce-scatter and a ping-pong, fitted per op to t = steps(p) latency
+    + volume(p, n) / bandwidth (hpctrain/plan/cluster.py). One node is measured: the
+    inter-node links are copies of the intra-node ones, and the file says so.
+
+    \b
+    Examples:
+      hpctrain calibrate --out configs/clusters/this-machine.toml
+      hpctrain calibrate --out /tmp/c.toml --quick
+      hpctrain calibrate --out c.toml --ranks-per-node 1,2,4 --messages 4KiB,1MiB,16MiB
+    """
+    from hpctrain.runtime import UserError, find_mpiexec
+
+    if messages is not None and len(messages) < 2:
+        raise click.BadParameter(f"{','.join(map(str, messages))}: fitting latency and "
+                                 f"bandwidth needs two or more sizes", param_hint="--messages")
+    try:
+        launcher = mpiexec or find_mpiexec()
+    except UserError as err:
+        raise click.UsageError(str(err)) from None
+    cores = core_count()
+    plan = Settings(cores, ranks_per_node or tuple(sorted({1, cores})),
+                    sizes or (QUICK_SIZES if quick else DEFAULT_SIZES),
+                    messages or (QUICK_MESSAGES if quick else DEFAULT_MESSAGES),
+                    repeats or (2 if quick else 5), repeats or (2 if quick else 15))
+    load = Path("/proc/loadavg").read_text().strip()
+    click.echo(f"calibrating {socket.gethostname()}: {cores} cores, {memory_gib():.1f} GiB; "
+               f"load {load}", err=True)
+    gemm, samples = measure(plan, launcher, timeout)
+
+    click.echo("\ncollectives inside the node, measured against fitted:")
+    links = {}
+    for op in cl.OPS:
+        mine = [s for s in samples if s.op == op]
+        try:
+            links[op] = fit_link(op, mine)
+        except ValueError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo("\n".join(fit_report(op, links[op], mine)))
+    kind = cl.NodeKind("cpu", cores, memory_gib() * 2**30, gemm)
+    cluster = cl.Cluster(name or socket.gethostname(), "mpiexec", {"cpu": kind},
+                         (("cpu", 1),), {"intra": links, "inter": dict(links)})
+    text = header(_command_line(click.get_current_context()), plan.describe(), load)
+    text += cl.to_toml(cluster).replace("[links.inter]", INTER_NOTE + "[links.inter]")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text.rstrip("\n") + "\n")
+    try:
+        back = cl.load_cluster(out)
+    except cl.ClusterError as err:
+        raise click.ClickException(f"{out} was written but does not read back: {err}") from None
+    click.echo(summary(back, out))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
+    else:
+        calibrate_command()

@@ -1,0 +1,385 @@
+"""The predicted step of a layout on a cluster: time and memory of every pipeline rank.
+
+``estimate(cfg, cluster)`` takes a validated Config (a GPT; ``memory.py`` has the
+memory arithmetic) and a ``Cluster`` and returns an ``Estimate``. Ranks are laid out
+tp innermost, then dp, then pp (``parallel/topology.py``) and placed on the nodes in
+blocks of ``ranks_per_node = ranks / nodes``. Ranks of one pipeline stage do the same
+work, so the model works per pipeline rank, on the slowest node kind holding that
+stage (the others wait for it at the tensor and data collectives).
+
+Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
+
+* compute: the GEMMs of ``GPT.model_flops`` at the cluster's rate for their shapes
+  (``NodeKind.gemm_rate``), split by tp (qkv, attention projection, MLP, the
+  per-head ``T x T`` products, the head); backward twice the forward's FLOPs at the
+  same rates; element-wise passes (LayerNorm, GELU, softmax, residuals, the loss)
+  as bytes at ``stream_rate``, or left out when the cluster gives none (a note says so);
+* tensor parallelism: per block two all-reduces of (b, T, C) forward and two
+  backward, one at the embedding and one at the head (``tp_comm_bytes``); with
+  sequence parallelism an all-gather plus a reduce-scatter of the whole instead; on
+  the node's links or across nodes when the tensor group spans nodes;
+* pipeline: the schedule recorded (``timeline.record``) and replayed (``replay``)
+  with each rank's chunk forward and backward times, each including the point-to-point
+  transfer of its output; the bubble is what the replay leaves idle. The search's
+  first pass uses the closed form ``busy + (p - 1) max chunk (F + B)`` instead;
+* data parallelism, per step: the gradients of this rank summed over dp (ring
+  all-reduce; ZeRO: reduce-scatter, then an all-gather of the updated parameters
+  after the optimizer; hierarchical: a reduce-scatter in the node (the reduce), an
+  all-reduce among the node leaders, an all-gather in the node (the broadcast)). The
+  buckets launch during the last microbatch's backward, so **exposed = max(0,
+  reduction - window)**, the window being that backward less the time to fill the
+  first bucket; ZeRO's all-gather is never hidden. Periodic averaging strategies send
+  the parameters (an all-reduce) every ``average_every`` steps, amortised per step;
+  ``hierarchical`` averaging all-reduces the gradients in the node every step;
+* optimizer: the bytes of its passes over the parameters it owns (AdamW: read p, g,
+  m, v, write p, m, v, plus a scratch copy, 10 passes; SGD 6), the gradient norm and
+  clipping (3 passes over the gradients), at ``stream_rate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from hpctrain.config import Config, ModelConfig
+from hpctrain.plan import memory as mem
+from hpctrain.plan.cluster import Cluster, NodeKind
+
+GiB = 2**30
+OPT_PASSES = {"adamw": 10, "sgd": 6}
+GRAD_PASSES = 3  # norm (read), clip (read, write)
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One pipeline rank (every dp and tp rank of that stage alike)."""
+
+    pp_rank: int
+    kind: str
+    blocks: int
+    has_embed: bool
+    has_head: bool
+    live: int  # microbatch caches alive at the schedule's peak
+    memory: mem.Memory
+    time: dict[str, float]  # compute, tp, pp_bubble, p2p, dp, optimizer (seconds)
+    memory_limit: float = float("inf")  # the smallest node memory of the stage / rpn
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.time.values())
+
+    def describe(self) -> str:
+        parts = (["embedding"] if self.has_embed else []) + [f"{self.blocks} blocks"] + \
+            (["head"] if self.has_head else [])
+        return f"pp rank {self.pp_rank} ({self.kind}): {' + '.join(parts)}, {self.live} " \
+               f"microbatch cache(s) alive"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    cfg: Config
+    world: int
+    ranks_per_node: int
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    ranks: list[RankCost]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_memory(self) -> int:
+        return max(r.memory.total for r in self.ranks)
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Each term's share of the slowest rank's step."""
+        r = max(self.ranks, key=lambda r: r.step_s)
+        total = r.step_s or 1.0
+        return {k: v / total for k, v in r.time.items()}
+
+    def bottleneck(self) -> str:
+        """The most loaded rank and why (time first, memory second)."""
+        slow = max(self.ranks, key=lambda r: r.step_s)
+        big = max(self.ranks, key=lambda r: r.memory.total)
+        text = f"slowest: {slow.describe()}"
+        if big is not slow or len(self.ranks) == 1:
+            text += f"; most memory: {big.describe()}"
+        return text
+
+
+# ---------------------------------------------------------------------------------
+# compute
+
+
+def _gemm(kind: NodeKind, rpn: int, m: int, n: int, k: int, count: int = 1) -> float:
+    return count * 2.0 * m * n * k / kind.gemm_rate(rpn, m, n, k)
+
+
+def block_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
+    """GEMM seconds of one block's forward over b sequences on a tp shard."""
+    c, f, t, h = m.d_model, m.ffn_dim, m.seq_len, m.n_head
+    n, d = b * t, m.head_dim
+    return (_gemm(kind, rpn, n, 3 * c // tp, c) + _gemm(kind, rpn, n, c, c // tp)
+            + _gemm(kind, rpn, n, f // tp, c) + _gemm(kind, rpn, n, c, f // tp)
+            + _gemm(kind, rpn, t, t, d, 2 * b * h // tp))
+
+
+def head_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
+    return _gemm(kind, rpn, b * m.seq_len, m.vocab_size // tp, m.d_model)
+
+
+def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool) -> tuple[float, float]:
+    """(forward, backward) bytes of one block's element-wise passes (an estimate by
+    pass counting: LayerNorm 10 and 18 passes of (N, C), residual adds 3, GELU 19 and
+    20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and its backward 7 of
+    the whole, bias gradients and q's scaling)."""
+    s = mem.itemsize(m)
+    c, f, t, h = m.d_model, m.ffn_dim, m.seq_len, m.n_head
+    n = b * t
+    rows = n // tp if sp else n
+    fwd = 2 * 10 * rows * c + 2 * 3 * rows * c + 19 * n * f // tp + 2.5 * b * h // tp * t * t \
+        + 2 * n * c // tp
+    bwd = 2 * 18 * rows * c + 2 * 3 * rows * c + 20 * n * f // tp + 7 * b * h // tp * t * t \
+        + n * (4 * c // tp + 2 * c + f // tp) + 2 * n * c // tp
+    return s * fwd, s * bwd
+
+
+def head_stream_bytes(m: ModelConfig, b: int, tp: int) -> tuple[float, float]:
+    s, n = mem.itemsize(m), b * m.seq_len
+    return s * (10 * n * m.d_model + 8 * n * m.vocab_size // tp), \
+        s * (18 * n * m.d_model + 6 * n * m.vocab_size // tp)
+
+
+def embed_stream_bytes(m: ModelConfig, b: int, tp: int) -> tuple[float, float]:
+    s, n = mem.itemsize(m), b * m.seq_len
+    return s * 5 * n * m.d_model, s * 4 * n * m.d_model
+
+
+# ---------------------------------------------------------------------------------
+# placement
+
+
+def _stage_kinds(cluster: Cluster, world: int, rpn: int, lo: int, hi: int) -> list[NodeKind]:
+    """Node kinds holding ranks [lo, hi) with ``rpn`` ranks per node in blocks."""
+    kinds, node = [], 0
+    for name, count in cluster.nodes:
+        first, last = node * rpn, (node + count) * rpn
+        if first < hi and last > lo:
+            kinds.append(cluster.kinds[name])
+        node += count
+    return kinds
+
+
+def ranks_per_node(cluster: Cluster, world: int) -> int:
+    nodes = cluster.num_nodes
+    if world % nodes:
+        from hpctrain.config import ConfigError
+
+        raise ConfigError(f"the number of ranks ({world}) must be a multiple of the "
+                          f"cluster's nodes ({nodes}) for a block placement")
+    return world // nodes
+
+
+# ---------------------------------------------------------------------------------
+# the estimate
+
+
+@lru_cache(maxsize=4096)
+def _schedule(schedule: str, pp: int, m: int, v: int):
+    """(recorded orders, peak live caches per rank) of a schedule."""
+    from hpctrain.parallel import timeline
+    from hpctrain.parallel.pipeline import SCHEDULES
+
+    orders = timeline.record(SCHEDULES[schedule], pp, m, v)
+    return orders, tuple(timeline.peak_live(ops) for ops in orders)
+
+
+def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
+             replay: bool = True, memo: dict | None = None) -> Estimate:
+    """Predicted step of a validated ``cfg`` on ``cluster`` (module docstring).
+
+    ``replay``: the pipeline by the schedule's timeline (False: the closed form, for
+    the search's first pass). ``memo``: a dict the search shares between calls on one
+    cluster, keeping the GEMM times of each shape.
+    """
+    memo = {} if memo is None else memo
+
+    def cached(fn, kind, *args):
+        key = (fn.__name__, kind.name, *args)
+        if key not in memo:
+            memo[key] = fn(m, kind, *args)
+        return memo[key]
+
+    if placement != "block":
+        raise ValueError(f"placement ({placement!r}) must be 'block'")
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    if m.kind != "gpt":
+        raise ValueError(f"the cost model knows the GPT only (model kind is {m.kind!r})")
+    dp, tp, pp, mb, v = par.dp, par.tp, par.pp, par.microbatches, par.virtual_stages
+    world = dp * tp * pp
+    rpn = ranks_per_node(cluster, world)
+    sp, s = par.sequence_parallel and tp > 1, mem.itemsize(m)
+    b = t.batch_size // (dp * mb)
+    n_tokens = b * m.seq_len
+    notes = []
+    # links: which groups leave the node
+    tp_inter = tp > rpn
+    dp_inter = dp * tp > rpn
+    p2p_inter = dp * tp >= rpn
+    spans = mem.chunk_blocks(m, pp, v, par.balance)
+    n_chunks = len(spans)
+    orders, live = _schedule(par.schedule, pp, mb, v) if pp > 1 else (None, (1,))
+    act_msg = s * n_tokens * m.d_model / (tp if sp else 1)
+    p2p = cluster.collective_time("p2p", 2, act_msg, p2p_inter) if pp > 1 else 0.0
+    states = mem.OPTIMIZER_STATES[t.optimizer]
+    stream_missing = False
+
+    per_rank, chunk_times = [], []
+    for r in range(pp):
+        kinds = _stage_kinds(cluster, world, rpn, r * dp * tp, (r + 1) * dp * tp)
+        slow = min(kinds, key=lambda k: k.gemm_rate(rpn, 2048, 2048, 2048))
+        small = min(k.memory_bytes for k in kinds)
+        stream = min((k.stream_rate(rpn) or 0.0) for k in kinds)
+        stream_missing |= stream == 0.0
+        blk_f = cached(block_forward_s, slow, rpn, b, tp)
+        f_bytes, b_bytes = block_stream_bytes(m, b, tp, sp)
+        tp_op = tp_collective_s(cluster, tp, s * n_tokens * m.d_model, sp, tp_inter)
+        times = {}
+        chunks = [c * pp + r for c in range(v)]
+        blocks = 0
+        act_max = 0
+        for k in chunks:
+            nb = spans[k][1] - spans[k][0]
+            blocks += nb
+            first, last = k == 0, k == n_chunks - 1
+            fwd = nb * blk_f
+            bwd = 2 * nb * blk_f
+            ef, eb = nb * f_bytes, nb * b_bytes
+            comm_f, comm_b = 2 * nb * tp_op, 2 * nb * tp_op
+            if first:
+                e1, e2 = embed_stream_bytes(m, b, tp)
+                ef, eb = ef + e1, eb + e2
+                comm_f += tp_op
+            if last:
+                hf = cached(head_forward_s, slow, rpn, b, tp)
+                fwd, bwd = fwd + hf, bwd + 2 * hf
+                h1, h2 = head_stream_bytes(m, b, tp)
+                ef, eb = ef + h1, eb + h2
+                comm_b += tp_op
+            if stream:
+                fwd, bwd = fwd + ef / stream, bwd + eb / stream
+            link_f = 0.0 if last else p2p
+            link_b = 0.0 if first else p2p
+            times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
+            act_max = max(act_max, mem.chunk_activation_bytes(
+                m, b, tp, sp, nb, first, last, pp > 1))
+        chunk_times.append(times)
+        sizes = mem.rank_param_sizes(m, tp, pp, v, par.balance, r)
+        params, grads, optim = mem.state_bytes(sizes, s, dp, par.zero, states, par.bucket_mb)
+        work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks)
+        work = max(work, s * max(sizes))  # the optimizer's scratch
+        buckets = params if par.zero == 2 else 0  # whole gradients during backward
+        memory = mem.Memory(params, grads, optim, live[r] * act_max, work, buckets)
+        per_rank.append(dict(kinds=kinds, slow=slow, small=small, stream=stream,
+                             blocks=blocks, chunks=chunks, memory=memory,
+                             numel=sum(sizes)))
+
+    makespan, busy = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
+    ranks = []
+    for r, info in enumerate(per_rank):
+        times = chunk_times[r]
+        compute = sum(mb * (f + b_) for f, b_, *_ in times.values())
+        tp_s = sum(mb * (cf + cb) for _, _, cf, cb, _, _ in times.values())
+        link = sum(mb * (lf + lb) for *_, lf, lb in times.values())
+        bubble = max(0.0, makespan - busy[r])
+        last_bwd = sum(times[k][1] + times[k][3] for k in info["chunks"][:1])
+        dp_s = dp_time(cfg, cluster, info["numel"] * s, rpn, dp_inter, last_bwd)
+        opt_bytes = s * (OPT_PASSES.get(t.optimizer, 10) * info["numel"] *
+                         (1 if par.zero == 0 else 1 / dp) + GRAD_PASSES * info["numel"])
+        opt_s = opt_bytes / info["stream"] if info["stream"] else 0.0
+        ranks.append(RankCost(r, info["slow"].name, info["blocks"], 0 in info["chunks"],
+                              n_chunks - 1 in info["chunks"], live[r], info["memory"],
+                              {"compute": compute, "tp": tp_s, "pp_bubble": bubble,
+                               "p2p": link, "dp": dp_s, "optimizer": opt_s},
+                              info["small"] / rpn))
+    if stream_missing:
+        notes.append("the cluster gives no stream rate: element-wise work and the "
+                     "optimizer update are left out of the times")
+    step = max(r.step_s for r in ranks)
+    from hpctrain.models.registry import model_class
+
+    flops = model_class(m.kind).model_flops(m, t.batch_size)
+    peak = sum(rpn * cluster.kinds[n].peak_rate(rpn) * count for n, count in cluster.nodes)
+    return Estimate(cfg, world, rpn, step, t.batch_size * m.seq_len / step,
+                    flops / step / peak, ranks, notes)
+
+
+def tp_collective_s(cluster: Cluster, tp: int, nbytes: float, sp: bool, inter: bool) -> float:
+    """One tensor-parallel activation exchange of a whole (b, T, C) of ``nbytes``."""
+    if tp == 1:
+        return 0.0
+    if sp:
+        return (cluster.collective_time("all_gather", tp, nbytes, inter)
+                + cluster.collective_time("reduce_scatter", tp, nbytes, inter))
+    return cluster.collective_time("all_reduce", tp, nbytes, inter)
+
+
+def reduction_s(cluster: Cluster, op: str, dp: int, nbytes: float, rpn: int, tp: int,
+                hierarchical: bool, inter: bool) -> float:
+    """Seconds of ``op`` (all_reduce / reduce_scatter) of ``nbytes`` over the data group."""
+    if dp == 1:
+        return 0.0
+    if not hierarchical or not inter:
+        return cluster.collective_time(op, dp, nbytes, inter)
+    local = max(1, min(dp, rpn // tp))  # data-group members on one node
+    nodes = dp // local
+    return (cluster.collective_time("reduce_scatter", local, nbytes, False)
+            + cluster.collective_time(op, nodes, nbytes, True)
+            + cluster.collective_time("all_gather", local, nbytes, False))
+
+
+def dp_time(cfg: Config, cluster: Cluster, grad_bytes: float, rpn: int, inter: bool,
+            window: float) -> float:
+    """Exposed seconds per step of the data-parallel sums (module docstring)."""
+    par = cfg.parallel
+    dp, tp = par.dp, par.tp
+    if dp == 1:
+        return 0.0
+    hier = par.dp_reduce == "hierarchical"
+    if par.averaging != "sync":
+        every = par.average_every
+        across = cluster.collective_time("all_reduce", dp, grad_bytes, inter) / every
+        if par.averaging == "hierarchical":
+            local = max(1, min(dp, rpn // tp))
+            return cluster.collective_time("all_reduce", local, grad_bytes, False) + across
+        return across
+    fill = min(1.0, par.bucket_mb * 2**20 / max(grad_bytes, 1.0))
+    window *= 1.0 - fill
+    if par.zero == 0:
+        return max(0.0, reduction_s(cluster, "all_reduce", dp, grad_bytes, rpn, tp, hier,
+                                    inter) - window)
+    scatter = reduction_s(cluster, "reduce_scatter", dp, grad_bytes, rpn, tp, hier, inter)
+    gather = cluster.collective_time("all_gather", dp, grad_bytes, inter)
+    return max(0.0, scatter - window) + gather
+
+
+def _pipeline(orders, chunk_times, n_chunks: int, pp: int, mb: int, v: int,
+              replay: bool) -> tuple[float, list[float]]:
+    """(makespan, busy seconds per rank) of the compute+tp+p2p operations."""
+    def dur(r, k, kind):
+        f, b, cf, cb, lf, lb = chunk_times[r][k]
+        return f + cf + lf if kind == "F" else b + cb + lb
+
+    busy = [sum(mb * (dur(r, k, "F") + dur(r, k, "B")) for k in chunk_times[r])
+            for r in range(pp)]
+    if pp == 1:
+        return busy[0], busy
+    if not replay:
+        worst = max(dur(r, k, "F") + dur(r, k, "B") for r in range(pp) for k in chunk_times[r])
+        return max(busy) + (pp - 1) * worst, busy
+    from hpctrain.parallel import timeline
+
+    compute = [[(kind, op.chunk, op.mb, dur(r, op.chunk, kind))
+                for op in ops if (kind := timeline.COMPUTE.get(op.verb))]
+               for r, ops in enumerate(orders)]
+    return timeline.replay(compute, n_chunks).makespan, busy

@@ -1,0 +1,181 @@
+"""What one rank of a GPT layout holds: parameters, gradients, optimizer state, the
+activations kept for backward, and the transient working set. Pure arithmetic on the
+config, checked against the real model in ``tests/test_plan_cost.py``.
+
+Parameters of the pieces, ``C`` = d_model, ``F`` = the MLP width, ``V`` vocabulary,
+``T`` seq_len, ``t`` = tp (split tensors marked ``/t``; in ``named_parameters``
+order, the order the gradient buckets are cut in reverse)::
+
+    embed   wte (V/t, C), wpe (T, C)
+    block   ln1 2C | qkv C 3C/t + 3C/t | proj C/t C + C | ln2 2C | fc C F/t + F/t
+            | proj F/t C + C
+    head    ln_f 2C, lm_head (C, V/t)          (tied: a copy of wte when pp > 1)
+
+Activations a block's forward keeps (``nn`` caches), per microbatch of ``b``
+sequences, ``N = b T`` tokens, ``H`` heads, ``s`` bytes an element::
+
+    ln1, ln2   xhat (N, C) + rstd (N, 1) each          SP: N / t tokens
+    qkv        its input (N, C) and its output (N, 3C/t) (q, k, v are views)
+    scores     P (b, H/t, T, T)
+    proj       its input (N, C/t)
+    fc         its input (N, C); GELU: x, s (N, F/t); fc-proj: its input (N, F/t)
+
+    block = s [N (4C + 2 + (4C + 3F)/t) + b H/t T^2]        (plain tensor parallel)
+    SP:     s [N/t (2C + 2) + 2 N C + N (4C + 3F)/t + b H/t T^2]
+    head  = s [N (2C + 2) + N V/t]                           (ln_f, lm input, logits)
+    SP:     s [N/t (C + 1) + N C + N + N V/t]
+
+The embedding keeps only integer indices. A pipeline stage also keeps each received
+input activation, ``s N C`` (``/t`` with SP), until its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from hpctrain.config import ModelConfig
+from hpctrain.parallel.data import plan_buckets
+
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # arrays per parameter element (m, v; momentum)
+
+
+def itemsize(m: ModelConfig) -> int:
+    return np.dtype(m.dtype).itemsize
+
+
+# ---------------------------------------------------------------------------------
+# parameters
+
+
+def embed_sizes(m: ModelConfig, tp: int) -> list[int]:
+    return [m.vocab_size // tp * m.d_model, m.seq_len * m.d_model]
+
+
+def block_sizes(m: ModelConfig, tp: int) -> list[int]:
+    c, f = m.d_model, m.ffn_dim
+    return [c, c, c * 3 * c // tp, 3 * c // tp, c // tp * c, c, c, c,
+            c * f // tp, f // tp, f // tp * c, c]
+
+
+def head_sizes(m: ModelConfig, tp: int, pp: int) -> list[int]:
+    if m.tie_embeddings:
+        return [m.d_model, m.d_model] + ([m.vocab_size // tp * m.d_model] if pp > 1 else [])
+    return [m.d_model, m.d_model, m.d_model * m.vocab_size // tp]
+
+
+@lru_cache(maxsize=4096)
+def chunk_blocks(m: ModelConfig, pp: int, v: int, balance: str) -> tuple[tuple[int, int], ...]:
+    """(start, stop) of the blocks of each model chunk (``stages.plan``)."""
+    from hpctrain.parallel import stages
+
+    return tuple((s.start, s.stop) for s in stages.plan(m, pp, v, balance))
+
+
+def rank_chunks(m: ModelConfig, pp: int, v: int, balance: str, pp_rank: int) -> list[int]:
+    """Model chunk indices pipeline rank ``pp_rank`` holds."""
+    return [c * pp + pp_rank for c in range(v)]
+
+
+def rank_param_sizes(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
+                     pp_rank: int) -> list[int]:
+    """Sizes of this rank's parameters in model order (the engine's ``params``)."""
+    spans = chunk_blocks(m, pp, v, balance)
+    n_chunks = len(spans)
+    sizes = []
+    for k in sorted(rank_chunks(m, pp, v, balance, pp_rank)):
+        start, stop = spans[k]
+        if k == 0:
+            sizes += embed_sizes(m, tp)
+        for _ in range(start, stop):
+            sizes += block_sizes(m, tp)
+        if k == n_chunks - 1:
+            sizes += head_sizes(m, tp, pp)
+    return sizes
+
+
+# ---------------------------------------------------------------------------------
+# activations
+
+
+def block_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False) -> int:
+    """Bytes one block's forward cache keeps for ``b`` sequences of ``seq_len``."""
+    c, f, h, t = m.d_model, m.ffn_dim, m.n_head, m.seq_len
+    n = b * t
+    split = n * (4 * c + 3 * f) // tp + b * h // tp * t * t
+    if sp:
+        whole = n // tp * (2 * c + 2) + 2 * n * c
+    else:
+        whole = n * (4 * c + 2)
+    return itemsize(m) * (whole + split)
+
+
+def head_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False) -> int:
+    c, v, n = m.d_model, m.vocab_size, b * m.seq_len
+    if sp:
+        return itemsize(m) * (n // tp * (c + 1) + n * c + n + n * v // tp)
+    return itemsize(m) * (n * (2 * c + 2) + n * v // tp)
+
+
+def chunk_activation_bytes(m: ModelConfig, b: int, tp: int, sp: bool, blocks: int,
+                           first: bool, last: bool, pipelined: bool) -> int:
+    """One microbatch's cache of a model chunk (with its received input if pipelined)."""
+    total = blocks * block_activation_bytes(m, b, tp, sp)
+    if last:
+        total += head_activation_bytes(m, b, tp, sp)
+    if pipelined and not first:
+        total += itemsize(m) * b * m.seq_len * m.d_model // (tp if sp else 1)
+    return total
+
+
+def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool) -> int:
+    """The transient peak above the caches (an estimate): a block's backward holds
+    dqkv (N, 3C/t), dP (b, H/t, T, T), the gradient flowing down (N, C) twice and the
+    MLP's (N, F/t) twice; the head's backward the logits' exponentials and dlogits
+    (N, V/t) twice."""
+    c, f, h, t, v = m.d_model, m.ffn_dim, m.n_head, m.seq_len, m.vocab_size
+    n = b * t
+    block = n * 3 * c // tp + b * h // tp * t * t + 2 * n * c + 2 * n * f // tp
+    head = 2 * n * v // tp + 2 * n * c if has_head else 0
+    return itemsize(m) * max(block, head)
+
+
+# ---------------------------------------------------------------------------------
+# the memory of one rank
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds at its peak, by term."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # caches of the microbatches alive at the schedule's peak
+    workspace: int  # transient arrays of one forward or backward, and the optimizer scratch
+    buckets: int  # communication buffers beyond the gradient buckets themselves
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations
+                + self.workspace + self.buckets)
+
+    def terms(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "workspace": self.workspace,
+                "buckets": self.buckets}
+
+
+def state_bytes(sizes: list[int], s: int, dp: int, zero: int, states: int,
+                bucket_mb: float) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes for parameter ``sizes`` (model order), as
+    ``zero.expected_memory``: stage 0 whole; 1 and 2 pad every bucket to a multiple of
+    dp and shard the optimizer state (2: and the gradients) over dp."""
+    numel = sum(sizes)
+    if zero == 0:
+        return numel * s, numel * s, states * numel * s
+    padded = sum(size for *_, size in plan_buckets(list(reversed(sizes)), s, bucket_mb, dp))
+    shard = padded // dp
+    return padded * s, (padded if zero == 1 else shard) * s, states * shard * s

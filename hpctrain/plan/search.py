@@ -1,0 +1,260 @@
+"""``hpctrain plan``: every layout ``train`` would accept, costed, pruned by memory, ranked.
+
+``enumerate_layouts(cfg, cluster, world)`` walks dp, tp, pp (divisors of the world),
+microbatches (divisors of the batch per data-parallel rank), the schedules (gpipe,
+1f1b, interleaved with each virtual_stages that fits, 1 included), zero 0/1/2 and sequence
+parallelism; each candidate goes through ``Config.validate(world)``, so a plan never
+proposes a layout ``train`` refuses. Left out as the same as another: gpipe without a
+pipeline (1f1b), ZeRO without data parallelism (zero 0), sequence parallelism without
+tp. Two passes: every valid layout is costed with
+the pipeline's closed-form bubble (``cost.estimate(replay=False)``), then the best
+``refine`` that fit in memory are costed again with the schedule replayed, and
+re-ranked. A layout fits when every rank's memory is at most its node's memory
+divided by the ranks per node.
+
+Layout names: ``dp2-tp2-pp2-mb4-1f1b-z1`` (``-sp``: sequence parallelism; ``-v2``:
+interleaved with 2 virtual stages).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import click
+
+from hpctrain import config as config_mod
+from hpctrain.config import Config, ConfigError
+from hpctrain.plan import cost
+from hpctrain.plan.cluster import Cluster, load_cluster
+
+GiB = 2**30
+
+
+def layout_name(par) -> str:
+    name = f"dp{par.dp}-tp{par.tp}-pp{par.pp}-mb{par.microbatches}-{par.schedule}-z{par.zero}"
+    if par.virtual_stages > 1:
+        name += f"-v{par.virtual_stages}"
+    return name + ("-sp" if par.sequence_parallel else "")
+
+
+LAYOUT = re.compile(r"dp(\d+)-tp(\d+)-pp(\d+)-mb(\d+)-(gpipe|1f1b|interleaved)-z(\d)"
+                    r"(?:-v(\d+))?(-sp)?$")
+
+
+def parse_layout(text: str) -> dict:
+    """``dp2-tp2-pp2-mb4-1f1b-z1[-v2][-sp]`` -> [parallel] overrides."""
+    got = LAYOUT.match(text)
+    if not got:
+        raise click.BadParameter(f"layout {text!r} must look like dp2-tp2-pp2-mb4-1f1b-z1 "
+                                 f"(optionally -v2 for virtual stages, -sp)")
+    dp, tp, pp, mb, schedule, zero, v, sp = got.groups()
+    return {"dp": int(dp), "tp": int(tp), "pp": int(pp), "microbatches": int(mb),
+            "schedule": schedule, "zero": int(zero), "virtual_stages": int(v or 1),
+            "sequence_parallel": bool(sp)}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fits(e: cost.Estimate) -> bool:
+    return all(r.memory.total <= r.memory_limit for r in e.ranks)
+
+
+def miss(e: cost.Estimate) -> int:
+    """Bytes by which the fullest rank (relative to its limit) exceeds its limit."""
+    return max(r.memory.total - r.memory_limit for r in e.ranks)
+
+
+def candidates(cfg: Config, world: int):
+    """Every [parallel] combination to try (not yet validated)."""
+    par, n_layer = cfg.parallel, cfg.model.n_layer
+    batch = cfg.train.batch_size
+    for tp in divisors(world):
+        if tp > cfg.model.n_head:
+            break
+        for pp in divisors(world // tp):
+            if pp > n_layer:
+                break
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            for mb in divisors(batch // dp):
+                if pp == 1:
+                    schedules = [("1f1b", 1)]
+                else:
+                    schedules = [("gpipe", 1), ("1f1b", 1)] + [
+                        ("interleaved", v) for v in range(1, n_layer // pp + 1)
+                        if mb % pp == 0]
+                for schedule, v in schedules:
+                    for zero in ((0, 1, 2) if dp > 1 and par.averaging == "sync" else (0,)):
+                        for seq in ((False, True) if tp > 1 else (False,)):
+                            yield replace(par, dp=dp, tp=tp, pp=pp, microbatches=mb,
+                                          schedule=schedule, virtual_stages=v, zero=zero,
+                                          sequence_parallel=seq, sp=1)
+
+
+@dataclass
+class Search:
+    ranked: list[cost.Estimate]  # layouts that fit, fastest first
+    tried: int  # combinations generated
+    valid: int  # of them, accepted by Config.validate
+    closest_miss: cost.Estimate | None  # the layout needing the least memory, if none fit
+    seconds: float
+
+
+def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
+                      refine: int = 20) -> Search:
+    """Every valid layout of ``cfg`` on ``world`` ranks of ``cluster``, ranked (module
+    docstring). Raises ConfigError if no layout is valid for the global batch."""
+    t0 = time.perf_counter()
+    cost.ranks_per_node(cluster, world)  # the placement's rule, by name
+    memo: dict = {}
+    tried, valid, estimates = 0, [], []
+    first_error = None
+    for par in candidates(cfg, world):
+        tried += 1
+        try:
+            checked = replace(cfg, parallel=par).validate(world)
+        except ConfigError as err:
+            first_error = first_error or str(err)
+            continue
+        valid.append(checked)
+        estimates.append(cost.estimate(checked, cluster, replay=False, memo=memo))
+    if not valid:
+        raise ConfigError(f"no layout of {world} ranks can run a global batch of "
+                          f"{cfg.train.batch_size} (the batch must be a multiple of dp * "
+                          f"microbatches, and the model must accept tp and pp); e.g. "
+                          f"{first_error}")
+    ok = sorted((e for e in estimates if fits(e)), key=lambda e: e.step_s)
+    closest = None if ok else min(estimates, key=miss)
+    top = [cost.estimate(e.cfg, cluster, replay=True, memo=memo) for e in ok[:refine]]
+    ranked = sorted(top, key=lambda e: e.step_s) + ok[refine:]
+    return Search(ranked, tried, len(valid), closest, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------
+# printing
+
+
+def table(estimates: list[cost.Estimate]) -> str:
+    head = (f"{'layout':<32} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} {'GiB/rank':>8} | "
+            f"{'compute':>7} {'tp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6} {'optim':>6}")
+    lines = [head, "-" * len(head)]
+    for e in estimates:
+        sh = e.shares
+        lines.append(f"{layout_name(e.cfg.parallel):<32} {1e3 * e.step_s:>8.1f} "
+                     f"{e.tokens_per_s:>9.0f} {100 * e.mfu:>5.1f}% "
+                     f"{e.max_memory / GiB:>8.3f} | {100 * sh['compute']:>6.1f}% "
+                     f"{100 * sh['tp']:>5.1f}% {100 * sh['pp_bubble']:>5.1f}% "
+                     f"{100 * sh['p2p']:>5.1f}% {100 * sh['dp']:>5.1f}% "
+                     f"{100 * sh['optimizer']:>5.1f}%")
+    return "\n".join(lines)
+
+
+def explain(e: cost.Estimate) -> str:
+    """Every rank's terms, in ms and MiB."""
+    lines = [f"{layout_name(e.cfg.parallel)}: {1e3 * e.step_s:.1f} ms/step, "
+             f"{e.tokens_per_s:.0f} tokens/s, MFU {100 * e.mfu:.1f}%, "
+             f"{e.ranks_per_node} ranks per node", e.bottleneck()]
+    for r in e.ranks:
+        times = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r.time.items())
+        mems = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r.memory.terms().items())
+        lines += [f"  {r.describe()}", f"    time ms: {times} (total {1e3 * r.step_s:.1f})",
+                  f"    memory MiB: {mems} (total {r.memory.total / 2**20:.1f} of "
+                  f"{r.memory_limit / 2**20:.0f})"]
+    return "\n".join(lines + [f"  note: {n}" for n in e.notes])
+
+
+def config_toml(cfg: Config) -> str:
+    """``cfg`` as a config TOML (every field, so the file stands alone)."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    out = []
+    for section, values in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {value(v)}" for k, v in values.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+@click.command("plan")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="The run's config TOML (its [parallel] is what the plan replaces).")
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False),
+              help="The cluster description (hpctrain calibrate writes one).")
+@click.option("--ranks", type=int, help="Ranks in all (default: one per core of every node).")
+@click.option("--nodes", type=int,
+              help="Use the first N nodes of the cluster, one rank per core of the "
+                   "smallest of them.")
+@click.option("--batch", type=int, help="Global batch size (default: the config's).")
+@click.option("--top", type=int, default=5, show_default=True, help="Layouts to print.")
+@click.option("--explain", "explain_layout", metavar="LAYOUT",
+              help="Print every rank's terms for one layout, e.g. dp2-tp2-pp2-mb4-1f1b-z1.")
+@click.option("--emit", type=click.Path(dir_okay=False),
+              help="Write the best layout (or --explain's) as a config TOML here.")
+def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, emit):
+    """Rank the layouts of a config on a cluster by predicted step time."""
+    try:
+        cfg = config_mod.load(config_path)
+        if batch is not None:
+            cfg = replace(cfg, train=replace(cfg.train, batch_size=batch))
+        cluster = load_cluster(cluster_path)
+        cluster, world = _scope(cluster, ranks, nodes)
+        if explain_layout:
+            par = replace(cfg.parallel, **parse_layout(explain_layout))
+            chosen = cost.estimate(replace(cfg, parallel=par).validate(world), cluster)
+            click.echo(explain(chosen))
+        else:
+            found = enumerate_layouts(cfg, cluster, world)
+            click.echo(f"{found.valid} valid layouts of {found.tried} tried on {world} ranks "
+                       f"({cluster.name}), {len(found.ranked)} fit in memory; "
+                       f"{found.seconds:.2f} s")
+            if not found.ranked:
+                e = found.closest_miss
+                raise click.ClickException(
+                    f"the model fits in no layout: the closest, "
+                    f"{layout_name(e.cfg.parallel)}, needs {e.max_memory / GiB:.2f} GiB on "
+                    f"its fullest rank, {miss(e) / GiB:.2f} GiB over the limit")
+            click.echo(table(found.ranked[:top]))
+            chosen = found.ranked[0]
+            click.echo(chosen.bottleneck())
+            for note in chosen.notes:
+                click.echo(f"note: {note}")
+    except ConfigError as err:
+        raise click.ClickException(str(err)) from None
+    if emit:
+        Path(emit).write_text(config_toml(chosen.cfg))
+        click.echo(f"wrote {emit} ({layout_name(chosen.cfg.parallel)})")
+
+
+def _scope(cluster: Cluster, ranks: int | None, nodes: int | None) -> tuple[Cluster, int]:
+    """The cluster cut to ``nodes`` nodes, and the rank count."""
+    if ranks is not None and nodes is not None:
+        raise click.BadParameter("give --ranks or --nodes, not both")
+    if nodes is not None:
+        if not 1 <= nodes <= cluster.num_nodes:
+            raise click.BadParameter(f"--nodes ({nodes}) must be between 1 and the "
+                                     f"cluster's {cluster.num_nodes}")
+        kept, left = [], nodes
+        for kind, count in cluster.nodes:
+            if left:
+                kept.append((kind, min(count, left)))
+                left -= kept[-1][1]
+        cluster = replace(cluster, nodes=tuple(kept))
+        cores = min(cluster.kinds[k].cores for k, _ in kept)
+        return cluster, nodes * cores
+    if ranks is None:
+        cores = min(cluster.kinds[k].cores for k, _ in cluster.nodes)
+        return cluster, cluster.num_nodes * cores
+    return cluster, ranks

@@ -1,0 +1,179 @@
+"""The planner's cost model (``hpctrain.plan.cost``, ``memory``) against the real
+model and hand-computed small cases: parameters and optimizer state by ZeRO stage,
+activation bytes of a real forward, tensor- and data-parallel bytes, the bubble."""
+
+import numpy as np
+import pytest
+
+from hpctrain import config
+from hpctrain.config import ModelConfig
+from hpctrain.models import GPT
+from hpctrain.models.gpt.model import Block, Head
+from hpctrain.models.gpt.tensor_parallel import sequence_parallel_saving, tp_comm_bytes
+from hpctrain.nn import CausalSelfAttention, Linear
+from hpctrain.parallel import timeline
+from hpctrain.parallel.averaging import ring_bytes
+from hpctrain.parallel.pipeline import SCHEDULES
+from hpctrain.parallel.tensor import activation_nbytes
+from hpctrain.plan import cost
+from hpctrain.plan import memory as mem
+from hpctrain.plan.cluster import from_dict
+
+TINY = dict(kind="gpt", n_layer=2, d_model=16, n_head=4, seq_len=8, vocab_size=32)
+
+
+def cluster(latency=1e-5, bandwidth=4e9, memory_gib=16.0, stream=True):
+    """A hand-made one-node, two-core description (what calibrate writes)."""
+    kind = {"name": "cpu", "cores": 2, "memory_gib": memory_gib,
+            "gemm": {"1": [[64, 2e10], [512, 1e11], [2048, 1.2e11]],
+                     "2": [[64, 1e10], [512, 5e10], [2048, 6e10]]}}
+    if stream:
+        kind["stream"] = {"1": 8e9, "2": 5e9}
+    link = {"latency_s": latency, "bandwidth_Bps": bandwidth}
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+    return from_dict({"name": "hand", "kinds": [kind], "nodes": [{"kind": "cpu", "count": 1}],
+                      "links": {lvl: dict.fromkeys(ops, link) for lvl in ("intra", "inter")}})
+
+
+def make(world=1, batch=4, **parallel):
+    return config.from_dict({"model": TINY, "parallel": parallel,
+                             "train": {"batch_size": batch}}).validate(world)
+
+
+# ---------------------------------------------------------------------------------
+# parameters and optimizer state
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_sizes_are_the_models(tied):
+    m = ModelConfig(**TINY, tie_embeddings=tied)
+    model = GPT(m, seed=0)
+    assert mem.rank_param_sizes(m, 1, 1, 1, "layers", 0) == \
+        [p.size for _, p in model.named_parameters()]
+
+
+def test_state_bytes_by_zero_stage_by_hand():
+    m = ModelConfig(**TINY)
+    sizes = mem.rank_param_sizes(m, 1, 1, 1, "layers", 0)
+    n = sum(sizes)  # 32*16 + 8*16 + 2 * (2*16 + 16*48 + 48 + 256 + 16 + 2*16 + 16*64 + 64
+    #                 + 64*16 + 16) + 2*16 + 16*32
+    assert n == 512 + 128 + 2 * (32 + 768 + 48 + 256 + 16 + 32 + 1024 + 64 + 1024 + 16) \
+        + 32 + 512
+    assert n % 2 == 0 and n % 3 == 1
+    assert mem.state_bytes(sizes, 4, 2, 0, 2, 4.0) == (4 * n, 4 * n, 8 * n)
+    # one bucket (4 MiB), padded to a multiple of dp = 3: n + 2 elements
+    assert mem.state_bytes(sizes, 4, 3, 1, 2, 4.0) == (4 * (n + 2), 4 * (n + 2),
+                                                       8 * (n + 2) // 3)
+    assert mem.state_bytes(sizes, 4, 3, 2, 2, 4.0) == (4 * (n + 2), 4 * (n + 2) // 3,
+                                                       8 * (n + 2) // 3)
+
+
+# ---------------------------------------------------------------------------------
+# activations: the formula against a real forward's caches
+
+
+@pytest.mark.parametrize("b, seq, d_model, n_head", [(2, 8, 16, 4), (3, 12, 24, 2)])
+def test_block_and_head_activations_equal_a_real_forward(b, seq, d_model, n_head):
+    m = ModelConfig(**{**TINY, "seq_len": seq, "d_model": d_model, "n_head": n_head})
+    rng = np.random.default_rng(0)
+    block = Block(d_model, n_head, m.ffn_dim, rng=rng, dtype=np.float32, std=0.02,
+                  proj_std=0.02)
+    x = rng.standard_normal((b, seq, d_model)).astype(np.float32)
+    _, cache = block.forward(x)
+    assert activation_nbytes(cache) == mem.block_activation_bytes(m, b)
+    head = Head(d_model, m.vocab_size, rng=rng, dtype=np.float32, std=0.02)
+    _, hcache = head.forward(x, rng.integers(0, m.vocab_size, (b, seq)))
+    assert activation_nbytes(hcache) == mem.head_activation_bytes(m, b)
+
+
+def test_tensor_parallel_block_activations_equal_a_sharded_forward():
+    """A block as one of tp = 2 ranks holds it: half the heads and MLP columns."""
+    m, b, tp = ModelConfig(**TINY), 2, 2
+    c, f = m.d_model, m.ffn_dim
+    rng = np.random.default_rng(0)
+    block = Block(c, m.n_head, f, rng=rng, dtype=np.float32, std=0.02, proj_std=0.02)
+    attn = CausalSelfAttention(c, m.n_head, rng=rng, dtype=np.float32)
+    attn.n_head //= tp
+    attn.qkv = Linear(c, 3 * c // tp, rng=rng, dtype=np.float32)
+    attn.proj = Linear(c // tp, c, rng=rng, dtype=np.float32)
+    block.attn = attn
+    block.mlp.fc = Linear(c, f // tp, rng=rng, dtype=np.float32)
+    block.mlp.proj = Linear(f // tp, c, rng=rng, dtype=np.float32)
+    _, cache = block.forward(rng.standard_normal((b, m.seq_len, c)).astype(np.float32))
+    assert activation_nbytes(cache) == mem.block_activation_bytes(m, b, tp)
+
+
+def test_sequence_parallel_saves_what_the_plan_says():
+    m, b, tp = ModelConfig(**TINY), 3, 2
+    saved = (m.n_layer * (mem.block_activation_bytes(m, b, tp) -
+                          mem.block_activation_bytes(m, b, tp, sp=True))
+             + mem.head_activation_bytes(m, b, tp) - mem.head_activation_bytes(m, b, tp, True))
+    assert saved == sequence_parallel_saving(m, b, m.seq_len, tp)
+
+
+def test_activations_count_the_schedules_peak():
+    cfg = make(world=2, pp=2, microbatches=4, schedule="gpipe")
+    gpipe = cost.estimate(cfg, cluster())
+    one = cost.estimate(make(world=2, pp=2, microbatches=4, schedule="1f1b"), cluster())
+    assert [r.live for r in gpipe.ranks] == [4, 4]
+    assert [r.live for r in one.ranks] == [2, 1]
+    b = 1  # 4 sequences in 4 microbatches
+    m = cfg.model
+    assert one.ranks[0].memory.activations == 2 * mem.block_activation_bytes(m, b)
+    last = mem.block_activation_bytes(m, b) + mem.head_activation_bytes(m, b) \
+        + 4 * b * m.seq_len * m.d_model  # and the received input
+    assert one.ranks[1].memory.activations == last
+
+
+# ---------------------------------------------------------------------------------
+# communication: bytes through a link of 1 byte/s and no latency
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_bytes_are_tp_comm_bytes(sp):
+    cfg = make(world=2, tp=2, microbatches=2, sequence_parallel=sp)
+    e = cost.estimate(cfg, cluster(latency=0.0, bandwidth=1.0))
+    m, u = cfg.model, 1 / 2
+    activations = 2 * u * 4 * 2 * (4 * m.n_layer + 2) * m.d_model * (4 // 2 * m.seq_len)
+    assert e.ranks[0].time["tp"] == pytest.approx(activations)
+    # tp_comm_bytes adds the loss's and the norm's small all-reduces (and SP's norms)
+    extra = tp_comm_bytes(m, 4, 2, 2, sp) - activations
+    assert 0 < extra < 0.1 * activations
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_bytes_are_the_ring_all_reduce(zero):
+    # buckets of 64 MiB: the first is never full before backward ends, no overlap
+    cfg = make(world=2, dp=2, zero=zero, bucket_mb=64.0)
+    e = cost.estimate(cfg, cluster(latency=0.0, bandwidth=1.0))
+    params = e.ranks[0].memory.params
+    # ZeRO: a reduce-scatter and an all-gather move what one all-reduce moves
+    assert e.ranks[0].time["dp"] == pytest.approx(ring_bytes(params, 2))
+
+
+def test_no_stream_rate_leaves_element_wise_work_out_and_says_so():
+    e = cost.estimate(make(), cluster(stream=False))
+    assert e.ranks[0].time["optimizer"] == 0.0
+    assert any("stream" in n for n in e.notes)
+
+
+# ---------------------------------------------------------------------------------
+# the pipeline: the replayed bubble of equal stages is the textbook one
+
+
+@pytest.mark.parametrize("schedule, pp, m, v", [("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1),
+                                                ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1),
+                                                ("interleaved", 2, 4, 2)])
+def test_replayed_bubble_equals_theory_with_equal_stages(schedule, pp, m, v):
+    orders = timeline.record(SCHEDULES[schedule], pp, m, v)
+    chunk = {k: (1.0 / v, 2.0 / v, 0, 0, 0, 0) for k in range(pp * v)}
+    times = [{k: chunk[k] for k in range(r, pp * v, pp)} for r in range(pp)]
+    makespan, busy = cost._pipeline(orders, times, pp * v, pp, m, v, replay=True)
+    assert 1 - busy[0] / makespan == pytest.approx(timeline.bubble_theory(pp, m, v))
+    closed, _ = cost._pipeline(orders, times, pp * v, pp, m, v, replay=False)
+    assert closed == pytest.approx(makespan)
+
+
+def test_most_loaded_rank_is_named():
+    e = cost.estimate(make(world=2, pp=2, microbatches=4), cluster())
+    assert "pp rank 0" in e.bottleneck() and "2 microbatch cache(s)" in e.bottleneck()

@@ -1,0 +1,137 @@
+"""The planner's search and the ``plan`` command: validity as ``Config.validate`` says,
+pruning by memory, the 4,096-rank enumeration time, clear errors, --emit."""
+
+import itertools
+import time
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from hpctrain import config
+from hpctrain.config import ConfigError
+from hpctrain.plan.cluster import from_dict, to_toml
+from hpctrain.plan.search import enumerate_layouts, layout_name, parse_layout, plan
+
+TINY = dict(kind="gpt", n_layer=4, d_model=16, n_head=4, seq_len=8, vocab_size=32)
+
+
+def hand_cluster(nodes=(("cpu", 1),), memory_gib=16.0, cores=8):
+    link = {"latency_s": 1e-5, "bandwidth_Bps": 4e9}
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+    kinds = [{"name": name, "cores": cores, "memory_gib": memory_gib,
+              "gemm": {str(cores): [[64, 1e10 * (1 + i)], [1024, 5e10 * (1 + i)]]},
+              "stream": {str(cores): 5e9}}
+             for i, name in enumerate(sorted({k for k, _ in nodes}))]
+    return from_dict({"name": "hand", "kinds": kinds,
+                      "nodes": [{"kind": k, "count": n} for k, n in nodes],
+                      "links": {lvl: dict.fromkeys(ops, link) for lvl in ("intra", "inter")}})
+
+
+def tiny_config(batch=8):
+    return config.from_dict({"model": TINY, "train": {"batch_size": batch}})
+
+
+def test_plan_proposes_exactly_the_layouts_validate_accepts():
+    cfg, world = tiny_config(), 8
+    found = enumerate_layouts(cfg, hand_cluster(), world)
+    planned = {layout_name(e.cfg.parallel) for e in found.ranked}
+    accepted = set()
+    grid = itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8],
+                             ["gpipe", "1f1b", "interleaved"], [1, 2, 3], [0, 1, 2],
+                             [False, True])
+    for dp, tp, pp, mb, schedule, v, zero, seq in grid:
+        par = replace(cfg.parallel, dp=dp, tp=tp, pp=pp, microbatches=mb, schedule=schedule,
+                      virtual_stages=v, zero=zero, sequence_parallel=seq)
+        try:
+            checked = replace(cfg, parallel=par).validate(world)
+        except ConfigError:
+            continue
+        # the planner leaves out what changes nothing: sequence parallelism without tp,
+        # gpipe without a pipeline (1f1b is the same), ZeRO without data parallelism
+        if not (seq and tp == 1) and not (schedule == "gpipe" and pp == 1) \
+                and not (zero and dp == 1):
+            accepted.add(layout_name(checked.parallel))
+    assert planned == accepted
+    assert found.valid == len(found.ranked)  # 16 GiB: everything fits
+    times = [e.step_s for e in found.ranked]
+    assert times == sorted(times[:20]) + times[20:] and len(times) > 20
+
+
+def test_layout_names_round_trip():
+    cfg = tiny_config()
+    for text in ("dp2-tp2-pp2-mb4-1f1b-z1", "dp1-tp2-pp2-mb2-interleaved-z0-v2-sp"):
+        par = replace(cfg.parallel, **parse_layout(text))
+        assert layout_name(par) == text
+
+
+def test_enumerating_4096_ranks_on_two_kinds_is_fast():
+    cfg = config.from_dict({"model": {"kind": "gpt", "n_layer": 48, "n_head": 32,
+                                      "d_model": 4096, "seq_len": 2048, "vocab_size": 51200},
+                            "train": {"batch_size": 1024}})
+    cl = hand_cluster((("fat", 32), ("thin", 32)), memory_gib=512.0, cores=64)
+    t0 = time.perf_counter()
+    found = enumerate_layouts(cfg, cl, 4096)
+    seconds = time.perf_counter() - t0
+    print(f"\n4096 ranks: {found.valid} valid layouts of {found.tried}, "
+          f"{len(found.ranked)} fit, in {seconds:.2f} s")
+    assert found.ranked and seconds < 30
+
+
+def test_memory_prunes_and_the_closest_miss_is_the_smallest():
+    found = enumerate_layouts(tiny_config(), hand_cluster(memory_gib=1e-9), 8)
+    assert not found.ranked
+    assert found.closest_miss is not None
+
+
+def test_a_batch_no_layout_can_run_is_an_error():
+    # tp <= 4 heads and pp <= 4 layers: 64 ranks need dp >= 4
+    with pytest.raises(ConfigError, match="no layout of 64 ranks can run a global batch of 1"):
+        enumerate_layouts(tiny_config(batch=1), hand_cluster(), 64)
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "c.toml").write_text(
+        '[model]\nkind = "gpt"\nn_layer = 4\nd_model = 16\nn_head = 4\nseq_len = 8\n'
+        'vocab_size = 32\n[train]\nbatch_size = 8\n')
+    (tmp_path / "wide.toml").write_text(
+        '[model]\nkind = "gpt"\nn_layer = 4\nd_model = 64\nn_head = 4\nseq_len = 8\n'
+        'vocab_size = 32\n[train]\nbatch_size = 8\n')
+    (tmp_path / "k.toml").write_text(to_toml(hand_cluster()))
+    (tmp_path / "small.toml").write_text(to_toml(hand_cluster(memory_gib=0.001)))
+    return tmp_path
+
+
+def test_plan_command_prints_a_table_and_emits_a_config(files):
+    out = files / "best.toml"
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "k.toml"), "--ranks", "8", "--top", "3",
+                                    "--emit", str(out)])
+    assert got.exit_code == 0, got.output
+    assert "ms/step" in got.output and "slowest: pp rank" in got.output
+    emitted = config.load(out)
+    assert emitted.model == config.load(files / "c.toml").model
+    emitted.validate(8)
+
+
+def test_plan_command_explains_one_layout(files):
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "k.toml"), "--ranks", "8", "--explain",
+                                    "dp2-tp2-pp2-mb2-1f1b-z1"])
+    assert got.exit_code == 0, got.output
+    assert "pp rank 1" in got.output and "memory MiB" in got.output
+
+
+def test_plan_command_errors_name_the_problem(files):
+    base = ["--config", str(files / "c.toml"), "--ranks", "8"]
+    # 1 MiB for 8 ranks; 64 KiB of parameters take 256 KiB with AdamW's state at best
+    got = CliRunner().invoke(plan, ["--config", str(files / "wide.toml"), "--ranks", "8",
+                                    "--cluster", str(files / "small.toml")])
+    assert got.exit_code != 0 and "fits in no layout: the closest" in got.output
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--ranks", "64",
+                                    "--cluster", str(files / "k.toml"), "--batch", "1"])
+    assert got.exit_code != 0 and "global batch of 1" in got.output
+    got = CliRunner().invoke(plan, base + ["--cluster", str(files / "k.toml"), "--explain",
+                                           "dp3-tp1-pp1-mb1-1f1b-z0"])
+    assert got.exit_code != 0 and "dp * tp * pp" in got.output
