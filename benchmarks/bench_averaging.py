@@ -324,7 +324,7 @@ def set_cfs_period(cl, period_us: int) -> None:
 
 
 def bench_shares(model: str, steps: int, rounds: int, period_us: int, data: str, out: Path,
-                 log) -> dict:
+                 log, extra: tuple[str, ...] = ()) -> dict:
     from hpctrain.cluster import lifecycle
 
     batch = MODELS[model]["train"]["batch_size"]
@@ -339,7 +339,8 @@ def bench_shares(model: str, steps: int, rounds: int, period_us: int, data: str,
             for label, flags in variants.items():
                 folder = out / f"shares-p{period_us}-{label.split()[0]}-r{k}"
                 config = write_config(folder, model, steps, 0, data)
-                row = share_row(label, train_on(cl, config, ["--averaging", "sync", *flags]))
+                row = share_row(label, train_on(cl, config, ["--averaging", "sync", *flags,
+                                                             *extra]))
                 runs[label].append(row)
                 log(f"   shares, {period_us // 1000} ms period, {label} round {k}: "
                     f"{1e3 * row['step_time_s']:.0f} ms/step"
@@ -430,6 +431,9 @@ def main() -> None:
                         help="CFS periods (us) to cap the nodes over in the shares part: the "
                              "cluster's own 100 ms, and a shorter one")
     parser.add_argument("--data", default="data/shakespeare.h5", help="tokens (Shakespeare)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="shares part: gradient bucket size passed to every run (several "
+                             "buckets overlap the all-reduce with backward)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny version to check the script: 32 steps, 100mbit only")
     args = parser.parse_args()
@@ -457,8 +461,9 @@ def main() -> None:
             res["plots"] = [str(p) for p in plot_strategies(res, out)]
             (out / "bench-averaging.json").write_text(json.dumps(results, indent=2))
     if "shares" in parts:
+        extra = () if args.bucket_mb is None else ("--bucket-mb", str(args.bucket_mb))
         results["shares"] = [bench_shares(args.model, args.share_steps, args.rounds, int(p),
-                                          args.data, out, log)
+                                          args.data, out, log, extra)
                              for p in args.cfs_periods.split(",")]
     results["seconds"] = time.perf_counter() - t0
     (out / "bench-averaging.json").write_text(json.dumps(results, indent=2))
