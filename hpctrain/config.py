@@ -99,7 +99,8 @@ class ParallelConfig:
     outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum
     # each data-parallel rank's share of the global batch (hpctrain.parallel.shares):
     # "equal", "fixed" (batch_shares, samples per dp rank) or "measured" (proportional
-    # to each rank's measured speed, re-measured every remeasure_every steps)
+    # to each rank's measured speed, re-measured every remeasure_every steps); with
+    # averaging "periodic", throughput-weighted local SGD (hpctrain.parallel.weighted)
     shares: str = "equal"
     batch_shares: tuple[int, ...] = ()
     remeasure_every: int = 50
@@ -244,8 +245,12 @@ def _check_averaging(par: ParallelConfig) -> None:
     _require_choice("shares", par.shares, SHARES)
     _require(par.remeasure_every >= 1,
              f"remeasure_every ({par.remeasure_every}) must be at least 1")
-    _require(par.shares == "equal" or not local,
-             f"shares {par.shares!r} needs averaging 'sync' (averaging is {par.averaging!r})")
+    _require(par.shares == "equal" or par.averaging in ("sync", "periodic"),
+             f"shares {par.shares!r} needs averaging 'sync', or 'periodic' (throughput-"
+             f"weighted local SGD); averaging is {par.averaging!r}")
+    _require(par.shares == "equal" or par.averaging != "periodic" or par.pp == 1,
+             f"throughput-weighted local SGD (shares {par.shares!r}, averaging 'periodic') "
+             f"runs without pipelining: pp ({par.pp}) must be 1")
     _require(par.shares == "equal" or par.zero == 0,
              f"shares {par.shares!r} needs zero 0 (zero is {par.zero})")
     _require((par.shares == "fixed") == bool(par.batch_shares),
@@ -311,10 +316,12 @@ def _check_shares(t: TrainConfig, par: ParallelConfig) -> None:
                                f"data-parallel rank (dp is {par.dp})")
     _require(sum(b) == t.batch_size, f"batch_shares ({list(b)}) must sum to batch_size "
                                      f"({t.batch_size}), not {sum(b)}")
-    mb = par.microbatches
+    mb, what = par.microbatches, "microbatches"
+    if par.averaging == "periodic":  # weighted local SGD: whole local steps of B / (dp mb)
+        mb, what = t.batch_size // (par.dp * par.microbatches), "a local step's samples"
     bad = [n for n in b if n < mb or n % mb]
     _require(not bad, f"batch_shares ({list(b)}) must each be a positive multiple of "
-                      f"microbatches ({mb}): {bad} are not")
+                      f"{what} ({mb}): {bad} are not")
 
 
 def _check_train(t: TrainConfig, par: ParallelConfig) -> None:

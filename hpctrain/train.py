@@ -78,7 +78,13 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
         from hpctrain.parallel.averaging import LocalDataParallel, check_nodes
 
         check_nodes(par, topo)
-        return LocalDataParallel(engine, make_optimizer(cfg, engine.named_params), topo, par)
+        optimizer = make_optimizer(cfg, engine.named_params)
+        if par.shares != "equal":  # periodic with unequal shares: throughput-weighted
+            from hpctrain.parallel.weighted import WeightedLocalDataParallel
+
+            return WeightedLocalDataParallel(engine, optimizer, topo, par,
+                                             cfg.train.batch_size)
+        return LocalDataParallel(engine, optimizer, topo, par)
     hierarchical = par.dp_reduce == "hierarchical"
     if par.zero == 0:
         launch = None
@@ -112,6 +118,9 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
     rank's fraction of the global batch when the ranks hold unequal parts
     (``hpctrain.parallel.shares``; None: equal parts).
     """
+    if hasattr(dp, "local_round"):  # throughput-weighted local SGD: a round of steps
+        return dp.local_round(engine, x, y, lr=lr, grad_clip=grad_clip, guard=guard,
+                              step=step, share=share)
     with trace.span("zero_grad", "optimizer"):
         dp.zero_grad()
     # the gradient of loss / dp (b_r / B with unequal shares): summed over the data group
@@ -400,7 +409,8 @@ class _Loop:
         self.background = (BackgroundWriter(topo.ckpt_comm, overlap=True) if t.async_save
                            else None)
         self.tracer = trace.Tracer(keep_events=trace_path is not None)
-        self.shares = (ShareBalancer(cfg.parallel, t.batch_size, topo.dp_comm, loader)
+        self.shares = (ShareBalancer(cfg.parallel, t.batch_size, topo.dp_comm, loader,
+                                     multiple=getattr(dp, "unit", None))
                        if cfg.parallel.shares != "equal" else None)
 
     @property

@@ -100,7 +100,9 @@ def cfg(**par) -> Config:
     (dict(shares="fixed", batch_shares=(4, 4, 4)), "one entry per data-parallel rank"),
     (dict(shares="fixed"), "go with shares 'fixed'"),
     (dict(shares="equal", batch_shares=(6, 6)), "go with shares 'fixed'"),
-    (dict(shares="measured", averaging="periodic"), "needs averaging 'sync'"),
+    (dict(shares="measured", averaging="diloco"), "needs averaging 'sync', or 'periodic'"),
+    (dict(shares="fixed", batch_shares=(8, 4), averaging="periodic", microbatches=2),
+     r"multiple of a local step's samples \(3\): \[8, 4\] are not"),
     (dict(shares="measured", remeasure_every=0), r"remeasure_every \(0\) must be at least"),
 ])
 def test_bad_averaging_and_shares_are_refused(par, message):
@@ -111,3 +113,5 @@ def test_bad_averaging_and_shares_are_refused(par, message):
 def test_good_settings_validate():
     assert cfg(averaging="diloco", average_every=8).validate(2).parallel.outer_lr == 0.7
     assert cfg(shares="fixed", batch_shares=(8, 4)).validate(2).parallel.dp == 2
+    weighted = cfg(shares="fixed", batch_shares=(9, 3), averaging="periodic", microbatches=2)
+    assert weighted.validate(2).parallel.batch_shares == (9, 3)  # units of 12 / 4 = 3

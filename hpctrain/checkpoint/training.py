@@ -121,6 +121,8 @@ def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
                                   f"and dp")
         ckpt.read_held(held, hint)
         set_optimizer_step(dp, meta["optimizer"]["t"])
+        if hasattr(dp, "after_load"):  # state of its own, beyond the tensors
+            dp.after_load()
         restore_rng(generators, meta["rng"]["generators"])
         if loader is not None:
             if meta.get("loader") is None:

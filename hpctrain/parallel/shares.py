@@ -63,9 +63,12 @@ class ShareBalancer:
     ``share`` (b_r / B) is ``train_step``'s gradient scale and loss weight; the loader
     is moved to the new samples whenever the shares change."""
 
-    def __init__(self, par: Any, batch_size: int, dp_comm: Any, loader: Any = None):
+    def __init__(self, par: Any, batch_size: int, dp_comm: Any, loader: Any = None,
+                 multiple: int | None = None):
+        """``multiple``: what every share is a multiple of (default: the microbatches;
+        weighted local SGD: a local step's samples)."""
         self.mode, self.every = par.shares, par.remeasure_every
-        self.batch, self.multiple = batch_size, par.microbatches
+        self.batch, self.multiple = batch_size, multiple or par.microbatches
         self.comm, self.rank = dp_comm, dp_comm.Get_rank()
         self.loader = loader
         dp = dp_comm.Get_size()

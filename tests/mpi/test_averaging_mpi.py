@@ -172,6 +172,55 @@ def test_each_strategy_trains_apart_meets_and_resumes_mid_period_bitwise(name, s
                f"{name}: resumed mid-period {got[0]} vs {want[0]}")
 
 
+def test_weighted_local_sgd_with_equal_shares_is_periodic_averaging():
+    if SIZE < 2:
+        pytest.skip("needs a data group")
+    data = batches()
+    plain = Run(config(optimizer="adamw", averaging="periodic", average_every=2))
+    want = plain.steps(data, STEPS), plain.weights()
+    plain.free()
+    equal = (4,) * SIZE
+    weighted = Run(config(optimizer="adamw", averaging="periodic", average_every=2,
+                          shares="fixed", batch_shares=equal))
+    got = weighted.steps(data, STEPS), weighted.weights()
+    weighted.free()
+    assert_all(WORLD, got[0] == want[0] and np.array_equal(got[1], want[1]),
+               f"weighted local SGD at equal shares {got[0]} vs periodic {want[0]}")
+
+
+def test_weighted_local_sgd_takes_more_steps_on_the_faster_rank_and_resumes(shared_dir):
+    if SIZE < 2:
+        pytest.skip("needs a data group")
+    batch = 4 * SIZE  # microbatches 2: units of 2 samples, 2 local steps at equal shares
+    shares = (4 + 2 * (SIZE - 1),) + (2,) * (SIZE - 1)  # rank 0: SIZE + 1 steps, others 1
+    cfg = config(optimizer="adamw", averaging="periodic", average_every=3, microbatches=2,
+                 shares="fixed", batch_shares=shares)
+    assert sum(shares) == batch
+    data = batches()
+    first = Run(cfg)
+    first.steps(data, 2)
+    taken = first.dp.metrics()["local_steps"]
+    apart = spread(first)
+    first.steps(data, 3)
+    met = spread(first)
+    first.steps(data, 4)
+    path = save_training(replace(cfg, train=replace(cfg.train, run_dir=str(shared_dir))),
+                         first.topo, first.engine, first.dp, step=4, loader_state=None,
+                         root=shared_dir / "weighted")
+    want = first.steps(data, STEPS), first.weights()
+    first.free()
+    assert_all(WORLD, taken == shares[first.topo.dp_rank] // 2,
+               f"rank took {taken} local steps for a share of {shares[first.topo.dp_rank]}")
+    assert_all(WORLD, apart > 1e-6 and met < 1e-12, f"apart {apart}, met {met}")
+    resumed = Run(cfg)
+    load_training(path, cfg, resumed.topo, resumed.engine, resumed.dp)
+    resumed.done = 4
+    got = resumed.steps(data, STEPS), resumed.weights()
+    resumed.free()
+    assert_all(WORLD, got[0] == want[0] and np.array_equal(got[1], want[1]),
+               f"weighted: resumed mid-period {got[0]} vs {want[0]}")
+
+
 def test_unequal_fixed_shares_give_the_serial_losses():
     if SIZE < 2:
         pytest.skip("one rank holds the whole batch")
