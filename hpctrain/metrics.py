@@ -37,8 +37,9 @@ class MetricsWriter:
         self._file.close()
 
 
-def progress_line(rec: dict[str, Any], total_steps: int) -> str:
-    """``step   10/200 | loss 3.1416 | val 3.2000 | lr 1.00e-03 | ...``"""
+def progress_line(rec: dict[str, Any], total_steps: int, unit: str = "tok/s") -> str:
+    """``step   10/200 | loss 3.1416 | val 3.2000 | lr 1.00e-03 | ...``; ``unit`` names
+    ``tokens_per_s`` as printed: "tok/s", or "samp/s" for a model without tokens."""
     width = len(str(total_steps))
     parts = [f"step {rec['step']:{width}d}/{total_steps}", f"loss {rec['loss']:.4f}"]
     if "val_loss" in rec:
@@ -48,7 +49,7 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     parts += [f"{key[4:].replace('_', ' ')} {value:.4f}" for key, value in rec.items()
               if key.startswith("val_dice_")]  # "dice 1 0.8123": the model's classes
     parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
-              f"{rec['tokens_per_s']:,.0f} tok/s", f"{rec['step_time_s'] * 1e3:.0f} ms/step"]
+              f"{rec['tokens_per_s']:,.0f} {unit}", f"{rec['step_time_s'] * 1e3:.0f} ms/step"]
     return " | ".join(parts)
 
 

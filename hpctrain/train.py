@@ -481,7 +481,8 @@ class _Loop:
         if self.guard.skipped_last and not self.quiet:
             self.writer.say(f"skipped {self.guard.last_problem}: no update")
         if not self.quiet and (step % t.log_interval == 0 or step == 1 or "val_loss" in record):
-            self.writer.say(progress_line(record, t.steps))
+            unit = "tok/s" if _sample_len(self.cfg) else "samp/s"
+            self.writer.say(progress_line(record, t.steps, unit))
 
     def save(self, step: int, loss: float, say=None) -> Path | None:
         """A checkpoint after ``step`` (collective), pending until confirmed."""

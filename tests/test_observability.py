@@ -303,3 +303,13 @@ def test_plot_errors_name_the_value(tmp_path):
 def test_importing_the_plot_module_does_not_import_matplotlib():
     code = "import hpctrain.plot, hpctrain.cli, sys; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_progress_line_names_its_throughput_unit():
+    from hpctrain.metrics import progress_line
+
+    rec = {"step": 3, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12.0,
+           "step_time_s": 0.1, "val_dice_1": 0.9}
+    assert "12 tok/s" in progress_line(rec, 10)
+    line = progress_line(rec, 10, "samp/s")
+    assert "12 samp/s" in line and "dice 1 0.9000" in line
