@@ -6,7 +6,6 @@ import itertools
 import json
 import pickle
 import shutil
-import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from hpctrain.config import Config, ModelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.shards import take_shard
 from hpctrain.parallel.topology import Topology
-from hpctrain.testing import run_train, tiny_corpus_config
+from hpctrain.testing import run_train, tiny_corpus_config, tiny_gpt_template
 from hpctrain.train import make_data_parallel, train_step
 
 MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, dtype="float64")
@@ -400,29 +399,8 @@ def test_every_command_documents_itself_with_examples(command):
 # ---------------------------------------------------------------------------------
 # hpctrain train --resume, through mpiexec
 
-CONFIG = textwrap.dedent("""
-    [model]
-    dtype = "float64"
-    vocab_size = 256
-    seq_len = 16
-    n_layer = 2
-    n_head = 2
-    d_model = 16
-
-    [parallel]
-    bucket_mb = 0.01
-
-    [train]
-    steps = 6
-    batch_size = 4
-    warmup_steps = 1
-    eval_interval = 0
-    log_interval = 1
-    save_interval = 3
-
-    [data]
-    path = "{data}"
-""")
+CONFIG = tiny_gpt_template(train="steps = 6\nbatch_size = 4\nsave_interval = 3",
+                           parallel="bucket_mb = 0.01")
 
 
 @pytest.fixture(scope="module")

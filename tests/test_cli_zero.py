@@ -3,35 +3,13 @@ rank, through the real loader and training loop, and logs the overlap figures; a
 stage is refused with the rule."""
 
 import json
-import textwrap
 
 import numpy as np
 import pytest
 
-from hpctrain.testing import run_train, tiny_corpus_config
+from hpctrain.testing import run_train, tiny_corpus_config, tiny_gpt_template
 
-CONFIG = textwrap.dedent("""
-    [model]
-    dtype = "float64"
-    vocab_size = 256
-    seq_len = 16
-    n_layer = 2
-    n_head = 2
-    d_model = 16
-
-    [parallel]
-    bucket_mb = 0.01
-
-    [train]
-    steps = 4
-    batch_size = 4
-    warmup_steps = 1
-    eval_interval = 0
-    log_interval = 1
-
-    [data]
-    path = "{data}"
-""")
+CONFIG = tiny_gpt_template(train="steps = 4\nbatch_size = 4", parallel="bucket_mb = 0.01")
 
 
 @pytest.fixture(scope="module")
