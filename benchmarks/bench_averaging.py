@@ -228,12 +228,12 @@ def summarise(label: str, run: dict, steps: int, target: float | None) -> dict:
 
 
 def bench_strategies(link: str, model: str, steps: int, factor: float, eval_every: int,
-                     sync_steps: int, data: str, out: Path, log) -> dict:
+                     sync_steps: int, data: str, out: Path, log, nodes: int = 2) -> dict:
     from hpctrain.cluster import lifecycle
 
     long_steps = int(round(steps * factor / eval_every)) * eval_every
     rows, target = [], None
-    with lifecycle.running(_spec(link), log=lambda _: None) as cl:
+    with lifecycle.running(_spec(link, (1.0,) * nodes), log=lambda _: None) as cl:
         for s in strategies(sync_steps):
             n = long_steps if s.local else steps
             folder = out / f"{link}-{s.label.replace(' ', '-').replace('=', '')}"
@@ -254,7 +254,8 @@ def bench_strategies(link: str, model: str, steps: int, factor: float, eval_ever
         t = r["time_to_target_s"]
         r["speedup_to_target"] = sync_time / t if t else None
     return {"link": link, "model": model, "steps": steps, "local_steps": long_steps,
-            "eval_every": eval_every, "target_val_loss": target, "rows": rows}
+            "eval_every": eval_every, "target_val_loss": target, "rows": rows,
+            "nodes": nodes}
 
 
 def plot_strategies(result: dict, out: Path) -> list[Path]:
@@ -279,7 +280,8 @@ def plot_strategies(result: dict, out: Path) -> list[Path]:
         ax.set_ylim(lo - 0.05, lo + 1.2)
         ax.grid(alpha=0.3)
         ax.legend()
-        ax.set_title(f"{result['model']} GPT, 2 nodes x 1 core at {result['link']}")
+        ax.set_title(f"{result['model']} GPT, {result.get('nodes', 2)} nodes x 1 core at "
+                     f"{result['link']}")
         path = out / f"loss-vs-{'time' if key == 'time_s' else 'bytes'}-{result['link']}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -365,7 +367,8 @@ def bench_shares(model: str, steps: int, rounds: int, period_us: int, data: str,
 def report(results: dict) -> str:
     lines = []
     for res in results.get("strategies", []):
-        lines += [f"strategies: {res['model']} GPT, 2 nodes x 1 rank at {res['link']}; sync "
+        lines += [f"strategies: {res['model']} GPT, {res.get('nodes', 2)} nodes x 1 rank at "
+                  f"{res['link']}; sync "
                   f"{res['steps']} steps, the others {res['local_steps']}; target = sync's "
                   f"val loss at step {res['steps']}: {res['target_val_loss']:.4f}",
                   f"  {'strategy':<22} {'MB/step':>8} {'port MB/step':>12} {'ms/step':>8} "
@@ -418,6 +421,8 @@ def main() -> None:
                         help="small: configs/gpt-shakespeare.toml's GPT; bench: hpctrain "
                              "bench's (6 layers, d_model 384, T 256)")
     parser.add_argument("--links", default="100mbit,1gbit", help="link rates, comma-separated")
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="strategies part: one-core nodes, one rank each")
     parser.add_argument("--steps", type=int, default=128, help="sync's steps (N)")
     parser.add_argument("--local-factor", type=float, default=1.5,
                         help="the local strategies train this many times N steps")
@@ -456,7 +461,8 @@ def main() -> None:
         results["strategies"] = []
         for link in args.links.split(","):
             res = bench_strategies(link, args.model, args.steps, args.local_factor,
-                                   args.eval_every, args.sync_steps, args.data, out, log)
+                                   args.eval_every, args.sync_steps, args.data, out, log,
+                                   args.nodes)
             results["strategies"].append(res)
             res["plots"] = [str(p) for p in plot_strategies(res, out)]
             (out / "bench-averaging.json").write_text(json.dumps(results, indent=2))
