@@ -44,6 +44,7 @@ from hpctrain.models.protocol import Space
 from hpctrain.nn import Module
 from hpctrain.nn.conv import ConvNd, ConvTransposeNd
 from hpctrain.nn.pool import _Pool
+from hpctrain.parallel import collectives
 from hpctrain.parallel.local import LocalEngine
 from hpctrain.parallel.spatial import SpatialConv, SpatialPool, sum_gradients
 
@@ -91,40 +92,21 @@ def _swap_windows(module: Module, splits: list) -> None:
 
 def all_gather(a: np.ndarray, axis: int, comm: Any) -> np.ndarray:
     """The whole array along ``axis`` from every rank's equal slab ``a`` (collective)."""
-    size = comm.Get_size()
-    if size == 1:
-        return a
-    send = np.ascontiguousarray(np.moveaxis(a, axis, 0))
-    recv = np.empty((size, *send.shape), a.dtype)
-    with trace.span("spatial_all_gather", "halo", bytes=recv.nbytes):
-        comm.Allgather(send, recv)
-    whole = recv.reshape(size * send.shape[0], *send.shape[1:])
-    return np.ascontiguousarray(np.moveaxis(whole, 0, axis))
+    with trace.span("spatial_all_gather", "halo", bytes=a.nbytes * comm.Get_size()):
+        return collectives.all_gather(a, comm, axis)
 
 
 def reduce_scatter(da: np.ndarray, axis: int, comm: Any) -> np.ndarray:
     """This rank's slab along ``axis`` of the sum over ranks of ``da`` (collective);
     the conjugate of ``all_gather``."""
-    size = comm.Get_size()
-    if size == 1:
-        return da
-    from mpi4py import MPI
-
-    send = np.ascontiguousarray(np.moveaxis(da, axis, 0))  # (size * n, ...)
-    recv = np.empty((send.shape[0] // size, *send.shape[1:]), da.dtype)
-    with trace.span("spatial_reduce_scatter", "halo", bytes=send.nbytes):
-        comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
-    return np.ascontiguousarray(np.moveaxis(recv, 0, axis))
+    with trace.span("spatial_reduce_scatter", "halo", bytes=da.nbytes):
+        return collectives.reduce_scatter(da, comm, axis)
 
 
 def all_reduce(a: np.ndarray, comm: Any) -> np.ndarray:
-    """The sum of ``a`` over ``comm`` (collective), float64 or int64 as given."""
-    from mpi4py import MPI
-
-    total = np.array(a, copy=True)
-    with trace.span("spatial_sum", "halo", bytes=total.nbytes):
-        comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-    return total
+    """The sum of ``a`` over ``comm`` (collective), into a copy of ``a``."""
+    with trace.span("spatial_sum", "halo", bytes=a.nbytes):
+        return collectives.all_reduce(np.array(a, copy=True), comm)
 
 
 class SpatialEngine(LocalEngine):
