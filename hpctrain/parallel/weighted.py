@@ -54,7 +54,8 @@ class WeightedLocalDataParallel(LocalDataParallel):
                     share: float | None = None) -> tuple[float, float]:
         """This rank's ``len(x) / unit`` local steps, then (every H rounds) the weighted
         meeting; returns (the round's loss over the global batch, the largest norm).
-        Collective over the data group at the guard, the loss and the meeting."""
+        Collective over the data group at the guard, the loss and the meeting.
+        ``share`` (``len(x) / B``) is implied by ``x``: taken for train_step's call."""
         from hpctrain.optim import clip as clip_mod
         from hpctrain.train import mean_over
 
@@ -80,10 +81,8 @@ class WeightedLocalDataParallel(LocalDataParallel):
             self.t += 1
             if self.schedule.averages(self.t):
                 self._weighted_average()
-        weight = (len(x) if share is None else share * self.batch_size) / self.unit
-        # sum_r b_r loss_r / B, as mean_over's mean of loss_r b_r dp / B
-        return mean_over(self.dp_comm, loss * weight * self.unit * self.dp_size
-                         / self.batch_size), norm
+        # sum_r b_r loss_r / B (b_r = len(x), this rank's share), as mean_over's mean
+        return mean_over(self.dp_comm, loss * len(x) * self.dp_size / self.batch_size), norm
 
     def _weighted_average(self) -> None:
         """params = sum_r w_r params_r / sum_r w_r over the data group; the anchor too."""
