@@ -22,14 +22,14 @@ checkpoint (``keep_checkpoints`` 1; its deletion, a background thread's, is wait
 for before the next timed save, as a training step would separate two saves) and the
 walk over the pieces.
 
-The asynchronous save is measured as training sees it: pairs of training steps
-(``--step-batch`` sequences of ``seq_len`` tokens per rank), one plain, the other
-preceded by an asynchronous save whose snapshot overlaps the step's forward and
+The asynchronous save is measured as training sees it: training steps
+(``--step-batch`` sequences of ``seq_len`` tokens per rank), plain ones against those
+after an asynchronous save whose snapshot overlaps the step's forward and
 backward (``train_step``'s ``before_update`` waits for it). The *stall* is the
-median over ``--pairs`` of (save call + step after it) - (plain step): the plan,
-the wait for the snapshot, and whatever the background copy, write, checksums and
-fsync took from the step (CPU and memory bandwidth) while they ran beside it. The
-write is then waited for, untimed, before the next pair. Also printed: the save
+median over ``--pairs`` of (save call + the steps that run until the write is done
+on every rank) - (as many plain steps): the plan, the wait for the snapshot, and
+whatever the background copy, write, checksums and fsync took from those steps (CPU
+and memory bandwidth) while they ran beside them. Also printed: the save
 call alone, the wait in ``before_update`` and the background thread's times.
 
 Reads are measured twice. Warm, from the page cache the writes filled: the software
@@ -63,6 +63,8 @@ from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
 from hpctrain.runtime import keep_freed_memory, set_blas_threads
 from hpctrain.train import make_data_parallel, train_step
+
+MAX_AFTER = 8  # steps after an asynchronous save that wait for its write to finish
 
 
 def raw_write(path: Path, data: np.ndarray) -> None:
@@ -134,7 +136,8 @@ def interleaved(comm, first, second, repeats: int, setup=None) -> tuple[float, f
 @click.option("--repeats", default=5, show_default=True,
               help="Timed repetitions of each save, load and raw figure.")
 @click.option("--pairs", default=11, show_default=True,
-              help="Pairs of steps (plain, after an asynchronous save) for the stall.")
+              help="Asynchronous saves, each with the steps until its write is done, "
+                   "and as many plain steps, for the stall.")
 @click.option("--step-batch", default=1, show_default=True,
               help="Sequences of seq_len tokens per rank in a training step.")
 def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, step_batch):
@@ -157,7 +160,6 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
     held_bytes = sum(h.array.nbytes for h in held_tensors(engine, dp, topo.tp_rank,
                                                           topo.tp_size))
     rng = np.random.default_rng(topo.dp_rank)
-    background = BackgroundWriter(topo.ckpt_comm, overlap=True)
 
     def step(hook=None):
         x, y = (rng.integers(0, vocab, (step_batch * pp, cfg.model.seq_len)) for _ in "xy")
@@ -203,26 +205,43 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
         comm, load, lambda: raw_read(files, out), repeats,
         setup=lambda: evict([saved["path"], raw_dir]))
 
-    def save_async():
-        saved["path"] = save_training(cfg, topo, engine, dp, step=next(steps),
-                                      loader_state=None, root=root, background=background)
+    def stall_of(background: BackgroundWriter) -> dict:
+        """The stall of ``background``'s saves: ``pairs`` times, an asynchronous save
+        and the steps that run until its write is done on every rank (at most
+        ``MAX_AFTER``), then as many plain steps; (save call + those steps) - (the plain
+        steps) per pair."""
+        def save_async():
+            saved["path"] = save_training(cfg, topo, engine, dp, step=next(steps),
+                                          loader_state=None, root=root,
+                                          background=background)
 
-    save_async()  # the snapshot buffers page in: not the steady state
-    background.wait()
-    plain, after, calls, waits, copies, writes = [], [], [], [], [], []
-    for _ in range(pairs):
-        writer.wait_for_pruning()
-        plain.append(timed(comm, step))
-        calls.append(timed(comm, save_async))
-        after.append(timed(comm, lambda: step(background.captured)))
-        waits.append(comm.allreduce(background.capture_wait_s, op=MPI.MAX))
+        save_async()  # the snapshot buffers page in: not the steady state
         background.wait()
-        copies.append(comm.allreduce(background.copy_s, op=MPI.MAX))
-        writes.append(comm.allreduce(background.write_s, op=MPI.MAX))
-    diffs = [c + a - p for c, a, p in zip(calls, after, plain, strict=True)]
-    stall = statistics.median(diffs)
-    q1, _, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (stall,) * 3
-    p1, _, p3 = statistics.quantiles(plain, n=4) if len(plain) > 1 else (plain[0],) * 3
+        out = {k: [] for k in ("diff", "plain", "after", "call", "wait", "copy", "write",
+                               "steps", "unfinished")}
+        for _ in range(pairs):
+            writer.wait_for_pruning()
+            call = timed(comm, save_async)
+            after, n = 0.0, 0
+            while n < MAX_AFTER:
+                after += timed(comm, lambda: step(background.captured))
+                n += 1
+                if not comm.allreduce(background.writing, op=MPI.LOR):
+                    break
+            out["unfinished"].append(bool(comm.allreduce(background.writing, op=MPI.LOR)))
+            out["wait"].append(comm.allreduce(background.capture_wait_s, op=MPI.MAX))
+            background.wait()
+            out["copy"].append(comm.allreduce(background.copy_s, op=MPI.MAX))
+            out["write"].append(comm.allreduce(background.write_s, op=MPI.MAX))
+            plain = sum(timed(comm, step) for _ in range(n))
+            out["diff"].append(call + after - plain)
+            out["plain"].append(plain / n)
+            out["after"].append(after / n)
+            out["call"].append(call)
+            out["steps"].append(n)
+        return out
+
+    r = stall_of(BackgroundWriter(topo.ckpt_comm, overlap=True))
     med = statistics.median
     loaded = comm.allreduce(held_bytes)
     arrays = [h.array for h in held_tensors(engine, dp, topo.tp_rank, topo.tp_size)]
@@ -245,14 +264,18 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
               f"(the files dropped from the page cache first: read from the disk)")
         print(f"raw, cold   {t_raw_r_cold:7.3f} s  {loaded / mb / t_raw_r_cold:8.1f} MB/s   "
               f"(load at {100 * t_raw_r_cold / t_load_cold:.0f}% of raw)")
-        print(f"async stall {stall:7.3f} s                  ({100 * stall / t_save:.1f}% of "
-              f"the synchronous save {t_save:.3f} s): (save call + next step) - plain step, "
-              f"median of {pairs} pairs, quartiles {q1:.3f} to {q3:.3f} s")
-        print(f"  plain step {med(plain):.3f} s (quartiles {p1:.3f} to {p3:.3f}), step after "
-              f"the save {med(after):.3f} s, "
-              f"save call {med(calls):.4f} s, wait in before_update {med(waits):.4f} s; "
-              f"in the background: snapshot {med(copies):.3f} s, whole write "
-              f"{med(writes):.3f} s")
+        d = r["diff"]
+        q1, _, q3 = statistics.quantiles(d, n=4) if len(d) > 1 else (d[0],) * 3
+        print(f"async stall {med(d):7.3f} s                  ({100 * med(d) / t_save:.1f}% "
+              f"of the synchronous save {t_save:.3f} s): (save call + the steps until "
+              f"the write is done) - as many plain steps, median of {len(d)} pairs, "
+              f"quartiles {q1:.3f} to {q3:.3f} s")
+        print(f"  plain step {med(r['plain']):.3f} s, a step while writing "
+              f"{med(r['after']):.3f} s, steps until written {min(r['steps'])}-"
+              f"{max(r['steps'])} (unfinished after {MAX_AFTER}: "
+              f"{sum(r['unfinished'])}), save call {med(r['call']):.4f} s, wait in "
+              f"before_update {med(r['wait']):.4f} s; in the background: snapshot "
+              f"{med(r['copy']):.3f} s, whole write {med(r['write']):.3f} s")
         print(f"blocksum64  {t_sum:7.3f} s  {loaded / mb / t_sum:8.1f} MB/s   (the checksum, of "
               f"what a load reads, once: part of both save and load)")
         print(f"sha256      {t_sha:7.3f} s  {loaded / mb / t_sha:8.1f} MB/s   (the checksum "

@@ -44,9 +44,22 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.checkpoint import writer
+from hpctrain.checkpoint import direct, writer
 from hpctrain.checkpoint.format import step_dirname
 from hpctrain.checkpoint.state import Held
+
+POLL_S = 0.0005  # how often a waiting writer thread looks whether the others arrived
+
+
+def arrive(comm) -> None:
+    """Return once every rank of ``comm`` has called it, sleeping meanwhile: a
+    non-blocking barrier tested every ``POLL_S``. MPICH's blocking waits poll a core;
+    a writer thread that waits there for a slower rank (for rank 0's commit: its
+    index, fsyncs and renames, about 10 ms) takes that core from the training step
+    beside it. After ``arrive`` the collective itself finds every rank there."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)
 
 
 class BackgroundWriter:
@@ -68,7 +81,7 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._snapshot_taken: threading.Event | None = None
         self._outcome: tuple[Path | None, BaseException | None] = (None, None)
-        self._copies: dict[str, np.ndarray] = {}  # reused from one save to the next
+        self._copies: dict[str, np.ndarray] = {}  # per dtype, reused by the next save
         self.stall_s = 0.0  # the training thread's time in the last save
         self.capture_wait_s = 0.0  # the training thread's waits in captured() since
         self.copy_s = 0.0  # the thread's time for the last snapshot
@@ -76,7 +89,13 @@ class BackgroundWriter:
 
     @property
     def in_flight(self) -> bool:
+        """A write was started and not yet waited for (it may have finished)."""
         return self._thread is not None
+
+    @property
+    def writing(self) -> bool:
+        """The write started last is still running."""
+        return self._thread is not None and self._thread.is_alive()
 
     def save(self, root: str | Path, step: int, held: list[Held], meta: dict, world_comm, *,
              stage: int = 0, keep: int = 3, on_event=None, say=print,
@@ -113,21 +132,32 @@ class BackgroundWriter:
 
     def _snapshot(self, held: list[Held], planned: writer.Plan,
                   taken: threading.Event) -> list[Held]:
-        """Copies of the arrays holding a piece this rank writes, into buffers kept
-        from the last save (no page faults after the first); ``taken`` is set when
-        done, whatever happens."""
+        """Copies of the arrays holding a piece this rank writes; ``taken`` is set when
+        done, whatever happens. The copies of each dtype lie one after another in one
+        page-aligned buffer, in the order the rank file stores them, so that, where
+        each piece is a whole array, the write goes from there to the disk with
+        ``O_DIRECT`` (``direct.py``) and no other copy. The buffers are kept for the
+        next save (no page faults after the first)."""
         t0 = time.perf_counter()
         try:
-            writes = {name for name, _ in planned.todo}
+            by_name = {h.name: h for h in held}
+            order = list(dict.fromkeys(name for name, _ in planned.todo))
+            layout: dict[str, list[Held]] = {}
+            for name in order:
+                layout.setdefault(by_name[name].array.dtype.str, []).append(by_name[name])
             out = []
-            for h in held:
-                if h.name not in writes:
-                    continue
-                copy = self._copies.get(h.name)
-                if copy is None or copy.shape != h.array.shape or copy.dtype != h.array.dtype:
-                    copy = self._copies[h.name] = np.empty_like(h.array)
-                np.copyto(copy, h.array)
-                out.append(Held(h.name, copy, h.sharding))
+            for dtype, group in layout.items():
+                nbytes = sum(h.array.nbytes for h in group)
+                buf = self._copies.get(dtype)
+                if buf is None or buf.nbytes < nbytes:
+                    buf = self._copies[dtype] = direct.aligned_empty(nbytes)
+                at = 0
+                for h in group:
+                    copy = buf[at:at + h.array.nbytes].view(h.array.dtype).reshape(
+                        h.array.shape)
+                    np.copyto(copy, h.array)
+                    out.append(Held(h.name, copy, h.sharding))
+                    at += h.array.nbytes
             return out
         finally:
             self.copy_s = time.perf_counter() - t0
@@ -142,7 +172,8 @@ class BackgroundWriter:
                                          keep=keep, on_event=on_event, say=say,
                                          catch=(Exception,), finite=finite,
                                          capture=lambda: self._snapshot(held, planned,
-                                                                        taken))
+                                                                        taken),
+                                         arrive=lambda: arrive(self.comm))
             self._outcome = (final, None)
         except BaseException as err:  # a CheckpointError on every rank, raised by wait()
             self._outcome = (None, err)
