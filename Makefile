@@ -38,7 +38,7 @@ system-deps: ## Debian's Fashion-MNIST package (apt; needs root or sudo)
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends dataset-fashion-mnist; \
 	fi
 
-data: install data/shakespeare.h5 data/fashion-mnist.h5 data/mni152.h5 ## prepare the real datasets as HDF5
+data: install data/shakespeare.h5 data/fashion-mnist.h5 data/mni152.h5 data/movielens.h5 ## prepare the real datasets as HDF5
 
 data/shakespeare.h5: | $(VENV)/.installed
 	$(BIN)/hpctrain-prep text shakespeare --output $@
@@ -48,6 +48,10 @@ data/fashion-mnist.h5: | $(VENV)/.installed system-deps
 
 data/mni152.h5: | $(VENV)/.installed
 	$(BIN)/hpctrain-prep mni152 --output $@
+
+# MovieLens' licence forbids redistribution: read from the installed recbole, never committed
+data/movielens.h5: | $(VENV)/.installed
+	$(BIN)/hpctrain-prep movielens --output $@
 
 demo: install data/shakespeare.h5 ## install, prepare Shakespeare, train a small GPT (a few minutes)
 	$(BIN)/hpctrain train --config configs/gpt-shakespeare.toml --run-dir runs/demo

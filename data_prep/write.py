@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -103,12 +104,26 @@ def write_ratings(out: Path, data: dict, *, compression: str = "none", force: bo
                   progress=no_progress) -> dict[str, int]:
     """``ratings/*`` (R,) per rating; ``users/*`` and ``items/*`` features by id.
 
-    Categorical features are codes with a ``categories`` attribute naming them;
-    strings are UTF-8 bytes; ``items/genres`` is (n_items, n_genres) multi-hot.
+    ``data`` as ``sources.model_inputs`` returns it: the ratings carry their fold and
+    the model's inputs (``ratings/ids`` (R, K), ``ratings/dense`` (R, D)), described by
+    the root attributes ``features`` and ``dense`` (JSON), ``labels`` (JSON: the label
+    of each code of the small features), ``folds`` and ``fold_seed``. Categorical
+    features are codes with a ``categories`` attribute naming them; strings are UTF-8
+    bytes; ``items/genres`` is (n_items, n_genres) multi-hot.
     """
     check_output(out, force)
-    attrs = _header(RATINGS) | {"source": "MovieLens-100K (GroupLens), via RecBole's "
-                                          "atomic files"}
+    ids, dense = data["ratings"]["ids"], data["ratings"]["dense"]
+    features = data["features"]
+    width = sum(f["width"] for f in features)
+    if ids.shape[1:] != (width,) or dense.shape[1:] != (len(data["dense"]),):
+        raise DataError(f"ratings/ids {ids.shape} and ratings/dense {dense.shape} must have "
+                        f"{width} columns (the features' widths) and {len(data['dense'])} "
+                        f"(the dense features)")
+    attrs = _header(RATINGS) | {
+        "source": "MovieLens-100K (GroupLens), via RecBole's atomic files",
+        "features": json.dumps(features), "dense": json.dumps(data["dense"]),
+        "labels": json.dumps(data["labels"]), "folds": int(data["folds"]),
+        "fold_seed": int(data["fold_seed"])}
     groups = ("ratings", "users", "items")
     with atomic_h5(out, force=force, attrs=attrs) as h5:
         with progress(sum(len(data[g]) for g in groups), "writing") as bar:

@@ -49,6 +49,7 @@ OVERRIDES = {
     "stall_timeout": "train.stall_timeout",
     "max_skipped_steps": "train.max_skipped_steps",
     "eval_split": "data.eval_split",
+    "fold": "data.fold",
 }
 
 
@@ -137,9 +138,13 @@ def _int_list(value: str, name: str) -> list[int]:
               help="Stop the run after this many consecutive steps with a non-finite loss "
                    "or gradient norm (each is skipped: no update).")
 @click.option("--eval-split", metavar="SPLIT",
-              help="The dataset split to evaluate on: 'val' (token streams), 'test' "
+              help="The dataset split to evaluate on: 'val' (token streams; ratings: the "
+                   "--fold), 'test' "
                    "(images), 'whole' or 'heldout' (volumes). With --resume of a finished "
                    "run, evaluates its checkpoint.")
+@click.option("--fold", type=int,
+              help="Ratings data: the cross-validation fold to validate on; training reads "
+                   "the other folds (default 0).")
 @click.option("--resume", metavar="auto|PATH",
               help="Continue from a checkpoint: 'auto' is RUN_DIR/checkpoints/latest (or a "
                    "fresh start if there is none); PATH a run, checkpoints or step folder, "

@@ -148,6 +148,7 @@ class DataConfig:
     path: str = "data/shakespeare.h5"  # a dataset file, or a partition manifest
     prefetch: bool = False  # read the next batch on a background thread
     eval_split: str = "val"  # split for validation: "val" (token streams) or "test"
+    fold: int = 0  # ratings: the validation fold (training reads the other folds)
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,8 @@ def _open_data(cfg: Config, topo: Topology):
     can take the data (``data.contents``)."""
     check_fits(read_contents(cfg.data.path), cfg.model)
     common = dict(batch_size=cfg.train.batch_size, dp_rank=topo.dp_rank,
-                  dp_size=topo.dp_size, seq_len=_sample_len(cfg), crop=cfg.model.crop)
+                  dp_size=topo.dp_size, seq_len=_sample_len(cfg), crop=cfg.model.crop,
+                  fold=cfg.data.fold)
     loader = open_loader(cfg.data.path, split="train", seed=cfg.train.seed,
                          prefetch=cfg.data.prefetch, **common)
     val = None

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from data_prep.sources import model_inputs
 from data_prep.write import write_images, write_ratings, write_tokens
 
 
@@ -51,21 +52,31 @@ def make_tokens(path: Path, sizes=(3000, 2000, 1500), seed: int = 0, **kw) -> Pa
     return path
 
 
-def make_ratings(path: Path, n: int = 500, seed: int = 0, **kw) -> Path:
+def make_ratings(path: Path, n: int = 500, seed: int = 0, folds: int = 5, **kw) -> Path:
+    """Random ratings of 20 users and 30 items with every side feature, through the same
+    ``sources.model_inputs`` as MovieLens; timestamps are distinct (a rating's id)."""
     rng = np.random.default_rng(seed)
     users, items = 20, 30
+    years = rng.integers(1950, 2000, items).astype(np.int16)
+    years[0] = 0  # unknown
     data = {
         "ratings": {"user": rng.integers(1, users + 1, n).astype(np.int32),
                     "item": rng.integers(1, items + 1, n).astype(np.int32),
                     "rating": rng.integers(1, 6, n).astype(np.float32),
                     "timestamp": np.arange(n, dtype=np.int64) + 880_000_000},
         "users": {"id": np.arange(1, users + 1, dtype=np.int32),
-                  "age": rng.integers(18, 70, users).astype(np.int16)},
+                  "age": rng.integers(10, 70, users).astype(np.int16),
+                  "gender": rng.integers(0, 2, users).astype(np.uint8),
+                  "occupation": rng.integers(0, 4, users).astype(np.uint8),
+                  "zip_code": np.array([b"T8H1N" if u % 7 == 0 else b"%05d" % (u * 4099)
+                                        for u in range(users)])},
         "items": {"id": np.arange(1, items + 1, dtype=np.int32),
+                  "year": years,
                   "genres": rng.integers(0, 2, (items, 3)).astype(np.uint8)},
-        "categories": {"items": {"genres": ["a", "b", "c"]}},
+        "categories": {"users": {"gender": ["F", "M"], "occupation": ["a", "b", "c", "d"]},
+                       "items": {"genres": ["a", "b", "c"]}},
     }
-    write_ratings(path, data, **kw)
+    write_ratings(path, model_inputs(data, folds=folds, seed=seed), **kw)
     return path
 
 

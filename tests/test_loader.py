@@ -295,7 +295,10 @@ def test_bad_files_are_refused(tmp_path, tokens_h5, ratings_h5):
         f.attrs["version"] = 99
     with pytest.raises(DataError, match="version 99 is not supported.*hpctrain-prep text"):
         open_loader(tokens_h5, **kw)
-    with pytest.raises(DataError, match="hpctrain.ratings data have no training loader"):
+    with h5py.File(ratings_h5, "r+") as f:
+        f.attrs["version"] = 1
+    with pytest.raises(DataError, match="ratings version 1 is not supported.*hpctrain-prep "
+                                        "movielens"):
         open_loader(ratings_h5, **kw)
     (tmp_path / "junk.h5").write_bytes(b"junk" * 1000)
     with pytest.raises(DataError, match="junk.h5: cannot be read as HDF5"):

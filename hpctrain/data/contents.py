@@ -10,14 +10,15 @@ writes them; a partition copies them into every shard and into its manifest):
     hpctrain.images   n_classes, classes; the image shape is that of the datasets
     hpctrain.volumes  n_classes, classes, volume_shape (X, Y, Z), heldout [start, stop)
                       along Z, spacing_mm, downsample
-    hpctrain.ratings  (no training loader yet)
+    hpctrain.ratings  features (JSON [{"name", "rows", "width"}] in the column order of
+                      ratings/ids), dense (JSON list of names), folds
 
 ``read_contents(path)`` returns them as ``Contents``; ``check_fits(contents, model)``
 raises a ``DataError`` naming both values and the fix when the model cannot take the
 data: a vocabulary smaller than the data's, a classifier with fewer classes or
 another input size, an image dataset given to a language model or the reverse, a
 segmentation model with another number of classes or a crop that does not fit the
-volume.
+volume, a ratings model whose features (``feature_layout()``) are not the file's.
 Training runs it on every rank before the first step (``startup_check``), so a wrong
 pairing is one clear line instead of an ``IndexError`` deep inside the embedding.
 """
@@ -34,6 +35,7 @@ import numpy as np
 from hpctrain.data.format import (
     IMAGES,
     MANIFEST,
+    RATINGS,
     REMEDY,
     SHARD,
     TOKENS,
@@ -46,8 +48,9 @@ from hpctrain.data.manifest import resolve
 
 # the root attributes that describe a dataset's contents (copied by partitioning)
 CONTENT_ATTRS = ("vocab_size", "max_token", "n_classes", "classes", "image_shape",
-                 "volume_shape", "heldout")
-WHAT = {TOKENS: "a token stream", IMAGES: "images", VOLUMES: "a 3-D volume"}  # for messages
+                 "volume_shape", "heldout", "features", "dense", "folds")
+WHAT = {TOKENS: "a token stream", IMAGES: "images", VOLUMES: "a 3-D volume",
+        RATINGS: "ratings"}  # for messages
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class Contents:
     image_shape: tuple[int, ...] | None = None
     volume_shape: tuple[int, ...] | None = None  # (X, Y, Z)
     heldout: tuple[int, int] | None = None  # [start, stop) along Z, kept from training
+    features: tuple[tuple[str, int, int], ...] | None = None  # (name, rows, width)
+    dense: tuple[str, ...] | None = None  # names of the dense features
+    folds: int | None = None
 
 
 def _int(value) -> int | None:
@@ -84,9 +90,15 @@ def contents_of(f: h5py.File, path: Path, data_format: str) -> Contents:
     volume = a.get("volume_shape")
     if volume is None and data_format == VOLUMES and "image" in f:
         volume = f["image"].shape
+    features = dense = None
+    if data_format == RATINGS and "features" in a and "dense" in a:
+        from hpctrain.data.ratings import parse_features
+
+        parsed, dense = parse_features(path, a)
+        features = tuple((f.name, f.rows, f.width) for f in parsed)
     return Contents(path, data_format, _int(a.get("vocab_size")), _int(a.get("max_token")),
                     _int(a.get("n_classes")), _ints(shape), _ints(volume),
-                    _ints(a.get("heldout")))
+                    _ints(a.get("heldout")), features, dense, _int(a.get("folds")))
 
 
 def read_contents(path: str | Path) -> Contents:
@@ -134,6 +146,8 @@ def check_fits(c: Contents, model: Any) -> None:
         _check_images(c, model)
     elif c.format == VOLUMES:
         _check_volume(c, model)
+    elif c.format == RATINGS:
+        _check_ratings(c, model)
 
 
 def _data_for(kind: str) -> str:
@@ -195,3 +209,40 @@ def _check_volume(c: Contents, model: Any) -> None:
     raise DataError(f"{c.path}: holds a volume of {dims} voxels{train}; every entry of the "
                     f"model's crop {list(crop)} must be at least 1 and fit in "
                     f"{' x '.join(map(str, room))}: set [model] crop = {fit}")
+
+
+def feature_layout(model: Any) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """``(dense names, [(name, rows, width)])`` of a model: its own ``feature_layout()``
+    (a built model), or its registered class's ``feature_layout(m)`` for a config."""
+    if hasattr(model, "feature_layout"):
+        return model.feature_layout()
+    from hpctrain.models.registry import MODELS
+
+    return MODELS[model.kind].feature_layout(model)
+
+
+def _check_ratings(c: Contents, model: Any) -> None:
+    """The model's features must be the file's, in order: names, rows, widths, and the
+    dense names."""
+    if c.features is None or c.dense is None:
+        raise DataError(f"{c.path}: records no features/dense attributes; re-run "
+                        f"{REMEDY[RATINGS]}")
+    dense, sparse = feature_layout(model)
+    dense, sparse = list(dense), [tuple(s) for s in sparse]
+    fix = f"set the model's features to the file's, or re-run {REMEDY[RATINGS]}"
+    if len(dense) != len(c.dense) or list(dense) != list(c.dense):
+        raise DataError(f"{c.path}: holds {len(c.dense)} dense feature(s) {list(c.dense)}; "
+                        f"the model takes {len(dense)}: {dense}; {fix}")
+    names = [f[0] for f in c.features]
+    if [s[0] for s in sparse] != names:
+        raise DataError(f"{c.path}: holds the sparse features {names} (in this order); the "
+                        f"model takes {[s[0] for s in sparse]}; {fix}")
+    for (name, rows, width), (_, m_rows, m_width) in zip(c.features, sparse, strict=True):
+        if m_rows < rows:
+            raise DataError(f"{c.path}: feature {name!r} has ids in [0, {rows}); the "
+                            f"model's table {name!r} has {m_rows} rows, it needs at least "
+                            f"{rows}: {fix}")
+        if m_width != width:
+            raise DataError(f"{c.path}: feature {name!r} has {width} slot(s) per sample; "
+                            f"the model's {name!r} takes {m_width}, it must take {width}: "
+                            f"{fix}")

@@ -8,7 +8,9 @@ splits tables by rows and copies *replicated* groups whole into every shard::
     hpctrain.tokens    train: train (n,) u1          val: val (m,) u1            -
     hpctrain.images    train: train/images (N, 28, 28) u1, train/labels (N,) u1 -
                        test:  test/images, test/labels
-    hpctrain.ratings   ratings: ratings/{user,item} i4, rating f4, timestamp i8 users, items
+    hpctrain.ratings   ratings: ratings/{user,item} i4, rating f4,            users, items
+                       timestamp i8, fold u1, ids (R, K) i4, dense (R, D) f8
+                       (the model's inputs: ``hpctrain.data.ratings``)
     hpctrain.volumes   volume: image (X, Y, Z) f4, labels (X, Y, Z) u1 (one 3-D volume,
                        read whole: never split by rows, never partitioned)
     hpctrain.shard     the datasets of its source format, holding only its rows in
@@ -46,7 +48,7 @@ RATINGS = "hpctrain.ratings"
 VOLUMES = "hpctrain.volumes"
 SHARD = "hpctrain.shard"
 MANIFEST = "hpctrain.manifest"
-VERSIONS = {TOKENS: 1, IMAGES: 1, RATINGS: 1, VOLUMES: 1, SHARD: 1, MANIFEST: 1}
+VERSIONS = {TOKENS: 1, IMAGES: 1, RATINGS: 2, VOLUMES: 1, SHARD: 1, MANIFEST: 1}
 MANIFEST_NAME = "manifest.h5"
 
 # What to run to (re)make a file of each format; error messages end with it.
@@ -97,7 +99,10 @@ LAYOUTS = {
     RATINGS: Layout(tables={"ratings": (Column("ratings/user", 1, "i4"),
                                         Column("ratings/item", 1, "i4"),
                                         Column("ratings/rating", 1, "f4"),
-                                        Column("ratings/timestamp", 1, "i8"))},
+                                        Column("ratings/timestamp", 1, "i8"),
+                                        Column("ratings/fold", 1, "u1"),
+                                        Column("ratings/ids", 2, "i4"),
+                                        Column("ratings/dense", 2, "f8"))},
                     replicated=("users", "items")),
     VOLUMES: Layout(tables={"volume": (Column("image", 3, "f4"), Column("labels", 3, "u1"))},
                     whole=True),

@@ -18,7 +18,9 @@ the serial loss curve::
             rank r takes j in [s*B + r*b, s*B + (r+1)*b)         x (b, 784) float32
 
 A 3-D volume (``hpctrain.volumes``) is read whole; its training crops and evaluation
-tiles, global across dp in the same way, are drawn in ``volumes.py``.
+tiles, global across dp in the same way, are drawn in ``volumes.py``. Ratings
+(``hpctrain.ratings``) are read whole too; ``ratings.py`` permutes the training folds
+per epoch like images and evaluates the validation fold whole, in order.
 
 Partition manifest: rank r opens only the shards ``assign_shards(S, dp)[r]`` gives it
 and draws b samples per step from them alone, with streams seeded by (seed, rank):
@@ -51,6 +53,7 @@ import numpy as np
 from hpctrain.data.format import (
     IMAGES,
     MANIFEST,
+    RATINGS,
     SHARD,
     TOKENS,
     VOLUMES,
@@ -237,16 +240,24 @@ class Loader:
 def open_loader(path: str | Path, *, split: str = "train", batch_size: int, dp_rank: int = 0,
                 dp_size: int = 1, seed: int, seq_len: int | None = None,
                 prefetch: bool = False, direct: bool = True,
-                crop: tuple[int, int, int] | None = None) -> Loader:
+                crop: tuple[int, int, int] | None = None, fold: int = 0) -> Loader:
     """Open this rank's loader on a dataset file, a shard file or a partition manifest.
 
     ``seq_len`` (T) is required for token streams and ignored otherwise; ``crop``
     (D, H, W) is required for a volume and ignored otherwise. Splits are "train" and
     "val" in a token stream, "train" and "test" in an image file, "train" in a volume.
     ``direct`` reads uncompressed chunks from a memory map of the file instead of
-    through h5py (``stores.DirectRows``); the batches are the same either way.
+    through h5py (``stores.DirectRows``); the batches are the same either way. ``fold``
+    is the validation fold of a ratings file (training reads the others).
     """
-    if _data_format(path) == VOLUMES:
+    fmt = _data_format(path)
+    if fmt == RATINGS:
+        from hpctrain.data.ratings import open_ratings_loader
+
+        return open_ratings_loader(resolve(path), split=split, batch_size=batch_size,
+                                   dp_rank=dp_rank, dp_size=dp_size, seed=seed, fold=fold,
+                                   prefetch=prefetch)
+    if fmt == VOLUMES:
         from hpctrain.data.volumes import open_volume_loader
 
         return open_volume_loader(resolve(path), split=split, batch_size=batch_size,
@@ -258,16 +269,24 @@ def open_loader(path: str | Path, *, split: str = "train", batch_size: int, dp_r
 
 def eval_batches(path: str | Path, *, split: str = "val", batch_size: int, dp_rank: int = 0,
                  dp_size: int = 1, seq_len: int | None = None, num_batches: int = 8,
-                 crop: tuple[int, int, int] | None = None
+                 crop: tuple[int, int, int] | None = None, fold: int = 0
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Fixed validation batches, the same at every call: token windows drawn with a
     fixed seed, or image rows in file order; global across dp as in training.
 
     A volume (splits "whole" and "heldout") gives the batches of tiles that cover the
     split: all of them, unless ``num_batches`` is positive and smaller than their
-    number (then the first ``num_batches``, covering part of the split).
+    number (then the first ``num_batches``, covering part of the split). Ratings
+    (split "val": the validation ``fold``) likewise give the batches that cover the fold.
     """
-    if _data_format(path) == VOLUMES:
+    fmt = _data_format(path)
+    if fmt == RATINGS:
+        from hpctrain.data.ratings import ratings_eval_batches
+
+        return ratings_eval_batches(resolve(path), split=split, batch_size=batch_size,
+                                    dp_rank=dp_rank, dp_size=dp_size, fold=fold,
+                                    num_batches=num_batches)
+    if fmt == VOLUMES:
         from hpctrain.data.volumes import volume_eval_batches
 
         return volume_eval_batches(resolve(path), split=split, batch_size=batch_size,
