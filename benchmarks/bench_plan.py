@@ -3,6 +3,7 @@
     python benchmarks/bench_plan.py stream --out runs/plan          element-wise rate
     python benchmarks/bench_plan.py measure --out runs/plan         every layout, timed
     python benchmarks/bench_plan.py compare --out runs/plan --cluster FILE.toml
+    python benchmarks/bench_plan.py published                       Megatron on Selene
 
 ``measure`` runs each layout (``LAYOUTS``) twice as its own MPI job: once timed
 (``--steps`` steps, the median ``step_time_s`` after ``--warmup``), once with
@@ -13,7 +14,10 @@ float32 arrays, all ranks at once) at 1 and 2 ranks, which ``hpctrain calibrate`
 does not; ``compare`` adds it to the cluster description it reads when the file has
 none. ``compare`` prints predicted against measured per layout, the median and worst
 step-time error, Spearman's rank correlation, and whether the predicted best is the
-measured best.
+measured best. ``published`` prints the predictions for Megatron-LM's published runs
+on A100 nodes against their published teraFLOP/s per GPU (``hpctrain/plan/published.py``;
+``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
+``--gemm-efficiency`` replaces the description's to show how the table moves with it).
 """
 
 from __future__ import annotations
@@ -200,13 +204,31 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def published(cluster_path: str | None, efficiency: float | None) -> str:
+    from hpctrain.plan import published as pub
+    from hpctrain.plan.cluster import load_cluster
+
+    path = cluster_path or str(ROOT / pub.CLUSTER)
+    cluster = load_cluster(path)
+    effs = sorted({k.gemm_efficiency for k in cluster.kinds.values()})
+    if efficiency is not None:
+        kinds = {n: replace(k, gemm_efficiency=efficiency) for n, k in cluster.kinds.items()}
+        cluster = replace(cluster, kinds=kinds)
+        effs = [efficiency]
+    return (f"Megatron-LM on {cluster.name} ({path}), GEMM efficiency {effs}, one practice "
+            f"for all rows: {pub.MEGATRON}\n" + pub.report(cluster))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["measure", "compare", "stream", "worker",
-                                         "stream-worker"])
+                                         "stream-worker", "published"])
     parser.add_argument("layout", nargs="?")
     parser.add_argument("--out", default="runs/plan")
-    parser.add_argument("--cluster", default="configs/clusters/this-machine.toml")
+    parser.add_argument("--cluster", default=None,
+                        help="default: this-machine.toml (published: a100-selene.toml)")
+    parser.add_argument("--gemm-efficiency", type=float, default=None,
+                        help="published: replace the description's gemm_efficiency")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true")
@@ -222,10 +244,13 @@ def main(argv: list[str] | None = None) -> None:
         for ranks in (1, 2):
             launch(ranks, ["stream-worker", "--out", args.out])
         print((Path(args.out) / "stream.json").read_text())
+    elif args.what == "published":
+        print(published(args.cluster, args.gemm_efficiency))
     elif args.what == "measure":
         measure(args.out, args.steps, args.warmup, names)
     else:
-        print(compare(args.out, args.cluster, args.warmup, names))
+        print(compare(args.out, args.cluster or "configs/clusters/this-machine.toml",
+                      args.warmup, names))
 
 
 if __name__ == "__main__":

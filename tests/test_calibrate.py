@@ -14,6 +14,7 @@ from hpctrain.plan.calibrate import (
     calibrate_command,
     core_count,
     fit_link,
+    fit_pieces,
 )
 
 
@@ -112,7 +113,9 @@ def test_a_quick_run_writes_a_description_that_reads_back(tmp_path):
     for level in cl.LEVELS:
         for op in cl.OPS:
             link = c.links[level][op]
-            assert link.latency_s >= 0 and link.bandwidth_Bps > 1e6
+            lines = [line for _, line in link.ranges] if isinstance(link, cl.Pieces) else [link]
+            assert lines[0].latency_s >= 0  # only later ranges may have a negative one
+            assert all(line.bandwidth_Bps > 1e6 for line in lines)
     assert c.links["inter"] == c.links["intra"]
     text = out.read_text()
     assert "hpctrain calibrate --out" in text and "one node was measured" in text
@@ -135,3 +138,37 @@ def test_a_hung_mpi_job_is_killed_at_the_timeout(tmp_path):
                                                     "--timeout", "1"])
     assert result.exit_code == 1
     assert "took more than 1 s (--timeout) and was killed" in result.output
+
+
+def test_pieces_recover_two_lines_and_keep_one_when_it_fits():
+    small, large = cl.Link(2e-6, 5e9), cl.Link(0.0, 1.5e9)  # large messages leave caches
+    cut = 4 * 1024 * 1024
+    samples = [Sample("all_reduce", 2, n, (small if n <= cut else large).time(
+        "all_reduce", 2, n)) for n in DEFAULT_MESSAGES]
+    one = fit_link("all_reduce", samples)
+    big = samples[-1]  # 64 MiB
+    assert one.time("all_reduce", 2, big.nbytes) < 0.6 * big.seconds  # one line: far off
+    got = fit_pieces("all_reduce", samples)
+    assert isinstance(got, cl.Pieces)
+    # neighbouring ranges share the size at their cut, so a jump between the lines is
+    # fitted within the tolerance, not exactly
+    for s in samples:
+        assert got.time("all_reduce", 2, s.nbytes) == pytest.approx(s.seconds, rel=0.10)
+    assert got.time("all_reduce", 2, big.nbytes) == pytest.approx(big.seconds, rel=0.10)
+    # exact times of one line: one line comes back
+    plain = synthetic("all_gather", cl.Link(6e-6, 3e9))
+    assert isinstance(fit_pieces("all_gather", plain), cl.Link)
+
+
+def test_pieces_by_hand_three_sizes():
+    # 1 KiB in 1 us, 1 MiB in 1 ms (1.05 GB/s through the origin), 64 MiB in 256 ms:
+    # the big range grows 4x faster than the small, so two ranges sharing 1 MiB
+    kib, mib = 1024, 1024**2
+    samples = [Sample("p2p", 2, kib, 1e-6), Sample("p2p", 2, mib, 1e-3),
+               Sample("p2p", 2, 64 * mib, 0.256)]
+    got = fit_pieces("p2p", samples)
+    assert [upto for upto, _ in got.ranges] == [mib, float("inf")]
+    second = got.ranges[1][1]
+    # through (1 MiB, 1 ms) and (64 MiB, 256 ms): slope 0.255 s / 63 MiB
+    assert 1 / second.bandwidth_Bps == pytest.approx(0.255 / (63 * mib))
+    assert second.latency_s == pytest.approx(1e-3 - mib * 0.255 / (63 * mib))

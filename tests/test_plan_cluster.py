@@ -78,3 +78,59 @@ def test_the_gemm_rate_interpolates_in_log_size_and_picks_the_ranks_table():
     assert kind.gemm_rate(1, 64, 64, 64) == pytest.approx(3e10)  # latency-bound below
     assert kind.gemm_rate(2, 512, 512, 512) == pytest.approx(3.5e10)  # the 2-rank table
     assert kind.gemm_rate(3, 512, 512, 512) == pytest.approx(3.5e10)  # none at 3: the last
+
+
+def test_pieces_pick_the_range_of_the_message_and_read_back():
+    raw = valid()
+    raw["links"]["intra"]["all_reduce"] = [
+        {"upto_bytes": 1024, "latency_s": 1e-6, "bandwidth_Bps": 1e9},
+        {"latency_s": -1e-5, "bandwidth_Bps": 5e8}]
+    c = cl.from_dict(raw)
+    link = c.links["intra"]["all_reduce"]
+    # p = 2: 2 steps of latency, 2 (p - 1) / p n = n bytes sent
+    assert link.time("all_reduce", 2, 1024) == pytest.approx(2e-6 + 1024 / 1e9)
+    assert link.time("all_reduce", 2, 2**20) == pytest.approx(-2e-5 + 2**20 / 5e8)
+    # just above the cut the second line would give less than the first's last time:
+    # the time never falls below the largest message of the range before
+    assert link.time("all_reduce", 2, 1025) == pytest.approx(2e-6 + 1024 / 1e9)
+    again = cl.from_dict(tomllib.loads(cl.to_toml(c)))
+    assert again.links["intra"]["all_reduce"] == link
+    assert again == c
+
+
+@pytest.mark.parametrize(("ranges", "message"), [
+    ([{"latency_s": -1e-6, "bandwidth_Bps": 1e9, "upto_bytes": 10},
+      {"latency_s": 0.0, "bandwidth_Bps": 1e9}],
+     "all_reduce[0].latency_s (-1e-06) must not be negative"),
+    ([{"upto_bytes": 10, "latency_s": 0.0, "bandwidth_Bps": 1e9},
+      {"upto_bytes": 5, "latency_s": 0.0, "bandwidth_Bps": 1e9},
+      {"latency_s": 0.0, "bandwidth_Bps": 1e9}],
+     "all_reduce[1].upto_bytes (5) must be larger than the range before's (10)"),
+    ([{"upto_bytes": 10, "latency_s": 0.0, "bandwidth_Bps": 1e9}],
+     "all_reduce[0]: the last range must have no upto_bytes"),
+    ([{"latency_s": 0.0, "bandwidth_Bps": 1e9}, {"latency_s": 0.0, "bandwidth_Bps": 1e9}],
+     "all_reduce[0]: missing field 'upto_bytes'"),
+])
+def test_bad_ranges_are_named(ranges, message):
+    with pytest.raises(cl.ClusterError) as err:
+        cl.from_dict(broken(lambda r: r["links"]["intra"].update(all_reduce=ranges)))
+    assert message in str(err.value)
+
+
+def test_the_roofline_kind_reads_and_bounds_small_products():
+    raw = valid()
+    raw["kinds"][0] = {"name": "gpu", "cores": 8, "memory_gib": 80.0, "peak_flops": 1e14,
+                       "gemm_efficiency": 0.5, "stream": {"8": 1e12}}
+    raw["nodes"][0]["kind"] = "gpu"
+    kind = cl.from_dict(raw).kinds["gpu"]
+    assert kind.peak_rate(8) == 1e14  # MFU's denominator: the published peak
+    assert kind.gemm_rate(8, 4096, 4096, 4096) == pytest.approx(5e13)
+    # 64^3: 2 * 64^3 FLOPs against 3 * 64^2 * 2 bytes at 1e12 B/s: memory-bound
+    assert kind.gemm_rate(8, 64, 64, 64) == pytest.approx(2 * 64**3 / (6 * 64**2 / 1e12))
+    assert cl.from_dict(tomllib.loads(cl.to_toml(cl.from_dict(raw)))).kinds["gpu"] == kind
+    raw["kinds"][0]["gemm_efficiency"] = 1.5
+    with pytest.raises(cl.ClusterError, match=r"gemm_efficiency \(1.5\) must be at most 1"):
+        cl.from_dict(raw)
+    raw["kinds"][0].pop("gemm_efficiency")
+    with pytest.raises(cl.ClusterError, match="missing field 'gemm_efficiency'"):
+        cl.from_dict(raw)

@@ -177,3 +177,38 @@ def test_replayed_bubble_equals_theory_with_equal_stages(schedule, pp, m, v):
 def test_most_loaded_rank_is_named():
     e = cost.estimate(make(world=2, pp=2, microbatches=4), cluster())
     assert "pp rank 0" in e.bottleneck() and "2 microbatch cache(s)" in e.bottleneck()
+
+
+def test_full_recomputation_repeats_each_blocks_forward_and_keeps_its_input():
+    cfg = make(world=2, pp=2, microbatches=2)
+    plain = cost.estimate(cfg, cluster(stream=False))
+    full = cost.estimate(cfg, cluster(stream=False), practice=cost.Practice(recompute="full"))
+    m, b = cfg.model, 2  # 4 sequences in 2 microbatches
+    kind = cluster().kinds["cpu"]
+    again = 2 * m.n_layer // 2 * cost.block_forward_s(m, kind, 2, b, 1)  # 2 mb, 1 block each
+    for r0, r1 in zip(plain.ranks, full.ranks, strict=True):
+        assert r1.time["compute"] - r0.time["compute"] == pytest.approx(again)
+    # the first stage keeps one block's input per live microbatch, not its cache
+    assert full.ranks[0].memory.activations == \
+        full.ranks[0].live * 4 * b * m.seq_len * m.d_model
+
+
+def test_pipeline_ranks_keep_the_other_stages_parameters_and_gradients():
+    """hpctrain's PipelineEngine keeps the serial model alive (measured: the pp2 rows of
+    benchmarks/README.md); a practice that builds only its stage does not."""
+    cfg = make(world=2, pp=2, microbatches=2)
+    whole = sum(mem.rank_param_sizes(cfg.model, 1, 1, 1, "layers", 0))
+    e = cost.estimate(cfg, cluster())
+    for r in e.ranks:
+        mine = sum(mem.rank_param_sizes(cfg.model, 1, 2, 1, "layers", r.pp_rank))
+        assert r.memory.retained == 2 * 4 * (whole - mine)
+    lean = cost.estimate(cfg, cluster(), practice=cost.Practice(keeps_whole_model=False))
+    assert all(r.memory.retained == 0 for r in lean.ranks)
+    assert cost.estimate(make(), cluster()).ranks[0].memory.retained == 0
+
+
+def test_a_practice_refuses_unknown_choices_by_name():
+    with pytest.raises(ValueError, match=r"recompute \('some'\) must be one of"):
+        cost.Practice(recompute="some")
+    with pytest.raises(ValueError, match=r"kernels \('cuda'\) must be one of"):
+        cost.Practice(kernels="cuda")

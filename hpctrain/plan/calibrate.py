@@ -18,7 +18,11 @@ Three measurements, each in its own MPI job that this command launches
 * **Fit**, per op, over every (p, n) measured: ``t = steps(p) a + volume(p, n) / b``
   (``cluster.steps``, ``cluster.volume``), least squares in *relative* error so the
   latency-bound small messages count as much as the bandwidth-bound large ones;
-  ``a >= 0``. ``fit_link`` is pure and tested on synthetic times.
+  ``a >= 0``. When one line misses a measured time by more than ``PIECE_TOLERANCE``
+  (here: large messages leave the caches, point-to-point changes protocol), the sizes
+  are cut in ranges, each with its own line: the fewest ranges that bring every miss
+  within the tolerance (``fit_pieces``; ``cluster.Pieces``). Both are pure and tested
+  on synthetic times.
 
 One node is measured, so ``links.inter`` is a copy of ``links.intra`` (the file says
 so in a comment): edit it, or measure a real network, before planning across nodes.
@@ -53,6 +57,7 @@ QUICK_MESSAGES = (KiB, 16 * KiB, 256 * KiB)
 GEMM_BATCH_FLOP = 2e8  # a timed GEMM sample runs products until about this many FLOPs
 COMM_BATCH_BYTES = MiB  # a timed collective sample runs calls until about this many bytes
 RESULT_TAG = "CALIBRATE-RESULT "  # rank 0's stdout line carrying the measurements
+PIECE_TOLERANCE = 0.10  # one line is kept when it misses no measured time by more
 
 
 # ---------------------------------------------------------------------------------
@@ -69,14 +74,16 @@ class Sample:
     seconds: float
 
 
-def fit_link(op: str, samples: list[Sample]) -> cl.Link:
+def fit_link(op: str, samples: list[Sample], *, negative_latency: bool = False) -> cl.Link:
     """The alpha-beta ``Link`` of ``op`` from its samples, by least squares in relative
     error: minimise ``sum_i ((s_i a + v_i x) / t_i - 1)^2`` over ``a >= 0``, ``x > 0``,
     with ``s_i = steps(op, p_i)``, ``v_i = volume(op, p_i, n_i)``; ``b = 1 / x``.
 
     Dividing each row by its time weights a 2 us latency-bound point like a 20 ms
     bandwidth-bound one. If the unconstrained optimum has ``a < 0`` (bandwidth alone
-    explains the times), ``a = 0`` and ``x`` is refitted alone.
+    explains the times), ``a = 0`` and ``x`` is refitted alone, unless
+    ``negative_latency`` (a range of large messages whose time grows faster than their
+    size: the intercept of its line is below zero, ``cluster.Pieces`` bounds it).
     """
     if len(samples) < 2 or len({(s.p, s.nbytes) for s in samples}) < 2:
         raise ValueError(f"{op}: fitting latency and bandwidth needs two or more message "
@@ -88,13 +95,60 @@ def fit_link(op: str, samples: list[Sample]) -> cl.Link:
     rows = design / t[:, None]  # (N, 2): relative-error rows
     ones = np.ones(len(samples))
     a, x = np.linalg.lstsq(rows, ones, rcond=None)[0]
-    if a < 0:
+    if a < 0 and not negative_latency:
         v = rows[:, 1]
         a, x = 0.0, float(v @ ones / (v @ v))
     if not x > 0:
         raise ValueError(f"{op}: the measured times do not grow with the message size, "
                          f"so no bandwidth fits; measure larger messages (--messages)")
     return cl.Link(latency_s=float(a), bandwidth_Bps=float(1.0 / x))
+
+
+def worst_miss(op: str, link: cl.Link | cl.Pieces, samples: list[Sample]) -> float:
+    """The largest relative error of ``link`` over ``samples``."""
+    return max(abs(link.time(op, s.p, s.nbytes) / s.seconds - 1) for s in samples)
+
+
+def fit_pieces(op: str, samples: list[Sample],
+               tolerance: float = PIECE_TOLERANCE) -> cl.Link | cl.Pieces:
+    """One alpha-beta line (``fit_link``) if it misses no sample by more than
+    ``tolerance``; else a line per range of the measured sizes: ranges of two or more
+    consecutive sizes, each fitted alone, neighbours sharing the size at their cut (its
+    samples count in both), the fewest ranges whose every miss is within ``tolerance``
+    (if none are, the ranges whose largest miss is smallest). A dynamic programme over
+    the cuts: a handful of sizes, so every range is tried."""
+    sizes = sorted({s.nbytes for s in samples})
+    line = fit_link(op, samples)
+    if worst_miss(op, line, samples) <= tolerance or len(sizes) < 3:
+        return line
+
+    def fit(i: int, j: int):
+        """(line, worst miss) of sizes[i..j]; only the first range keeps latency >= 0."""
+        mine = [s for s in samples if sizes[i] <= s.nbytes <= sizes[j]]
+        try:
+            link = fit_link(op, mine, negative_latency=i > 0)
+        except ValueError:  # flat times: no bandwidth fits this range
+            return None, float("inf")
+        return link, worst_miss(op, link, mine)
+
+    # best[j]: (excess over tolerance, ranges, cuts) of sizes[0..j] ending at a cut at j
+    best = {0: (0.0, 0, [])}
+    for j in range(1, len(sizes)):
+        options = []
+        for i in range(j):
+            link, miss = fit(i, j)
+            if link is None or i not in best:
+                continue
+            excess, count, cuts = best[i]
+            options.append((max(excess, miss - tolerance, 0.0), count + 1, cuts + [(j, link)]))
+        if options:
+            best[j] = min(options, key=lambda o: (o[0], o[1]))
+    last = len(sizes) - 1
+    if last not in best:
+        return line
+    cuts = best[last][2]
+    ranges = [(float(sizes[j]), link) for j, link in cuts[:-1]] + [(float("inf"), cuts[-1][1])]
+    return line if len(ranges) == 1 else cl.Pieces(tuple(ranges))
 
 
 # ---------------------------------------------------------------------------------
@@ -312,10 +366,17 @@ def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
     raise click.ClickException(f"the MPI job printed no result: {shlex.join(cmd)}")
 
 
-def fit_report(op: str, link: cl.Link, samples: list[Sample]) -> list[str]:
+def describe_link(link: cl.Link | cl.Pieces) -> str:
+    lines = link.ranges if isinstance(link, cl.Pieces) else ((float("inf"), link),)
+    return "; ".join(("" if upto == float("inf") else f"up to {_bytes(upto)}: ")
+                     + f"latency {line.latency_s * 1e6:.2f} us, "
+                       f"bandwidth {line.bandwidth_Bps / 1e9:.2f} GB/s"
+                     for upto, line in lines)
+
+
+def fit_report(op: str, link: cl.Link | cl.Pieces, samples: list[Sample]) -> list[str]:
     """Lines: measured against fitted time for each sample, relative error."""
-    lines = [f"{op}: latency {link.latency_s * 1e6:.2f} us, "
-             f"bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s"]
+    lines = [f"{op}: {describe_link(link)}"]
     for s in samples:
         fitted = link.time(op, s.p, s.nbytes)
         lines.append(f"  p = {s.p}  {_bytes(s.nbytes):>9s}  measured {s.seconds * 1e6:10.1f} us"
@@ -389,8 +450,7 @@ def summary(c: cl.Cluster, path: str) -> str:
                      + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in table))
     lines.append("links (intra; inter = intra, one node measured):")
     for op, link in c.links["intra"].items():
-        lines.append(f"  {op:14s} latency {link.latency_s * 1e6:7.2f} us  "
-                     f"bandwidth {link.bandwidth_Bps / 1e9:6.2f} GB/s")
+        lines.append(f"  {op:14s} {describe_link(link)}")
     lines.append(f"wrote {path} (read back: {c.num_nodes} node, {kind.cores} cores, "
                  f"{kind.memory_bytes / 2**30:.1f} GiB)")
     return "\n".join(lines)
@@ -474,7 +534,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     for op in cl.OPS:
         mine = [s for s in samples if s.op == op]
         try:
-            links[op] = fit_link(op, mine)
+            links[op] = fit_pieces(op, mine)
         except ValueError as err:
             raise click.ClickException(str(err)) from None
         click.echo("\n".join(fit_report(op, links[op], mine)))

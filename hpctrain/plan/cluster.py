@@ -18,6 +18,13 @@ cluster; ``configs/clusters/`` holds examples)::
     # second), per ranks-per-node count, for the non-GEMM part of a step
     stream = { 1 = 8.0e9, 2 = 5.0e9 }
 
+    # instead of a gemm table, a device's published peak and the share of it its GEMMs
+    # reach (a roofline: a product is also bound by moving its operands, gemm_bytes an
+    # element, at the stream rate)
+    # peak_flops = 312.0e12
+    # gemm_efficiency = 0.80
+    # gemm_bytes = 2
+
     [[nodes]]
     kind = "cpu"
     count = 1
@@ -31,6 +38,10 @@ cluster; ``configs/clusters/`` holds examples)::
     p2p = { latency_s = 1.0e-5, bandwidth_Bps = 5.0e9 }
     [links.inter]
     ...
+    # or one line per range of message sizes (n bytes, as above), ascending; the last
+    # range has no upper bound
+    all_reduce = [{ upto_bytes = 16777216, latency_s = 2.0e-5, bandwidth_Bps = 4.0e9 },
+                  { latency_s = 1.0e-3, bandwidth_Bps = 1.5e9 }]
 
 The ring model (``volume``, ``steps``): an all-reduce of n bytes over p ranks sends
 ``2 (p - 1) / p n`` bytes per rank in ``2 (p - 1)`` steps; an all-gather or a
@@ -86,16 +97,45 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Pieces:
+    """Alpha-beta lines per range of message sizes: ``ranges`` is ``((upto_bytes,
+    Link), ...)`` ascending, the last ``upto_bytes`` infinite. A message of n bytes (the
+    collective's whole, as ``volume`` takes it) uses the first range with n <= upto.
+
+    A range after the first may have a negative latency (large messages whose time
+    grows faster than their size, as when they leave the caches); a message never takes
+    less than the largest message of the range before it."""
+
+    ranges: tuple[tuple[float, Link], ...]
+
+    def line(self, nbytes: float) -> Link:
+        return next(link for upto, link in self.ranges if nbytes <= upto)
+
+    def time(self, op: str, p: int, nbytes: float) -> float:
+        floor = 0.0
+        for upto, link in self.ranges:
+            if nbytes <= upto:
+                return max(floor, link.time(op, p, nbytes))
+            floor = max(floor, link.time(op, p, upto))
+        raise AssertionError("the last range is unbounded")
+
+
+@dataclass(frozen=True)
 class NodeKind:
     name: str
     cores: int
     memory_bytes: float
-    # ranks per node -> ((n, FLOP/s per rank), ...) ascending in n
+    # ranks per node -> ((n, FLOP/s per rank), ...) ascending in n; empty with peak_flops
     gemm: dict[int, tuple[tuple[int, float], ...]]
     stream: dict[int, float] | None = None  # ranks per node -> bytes/s per rank
+    peak_flops: float | None = None  # a device's published peak (the roofline form)
+    gemm_efficiency: float | None = None  # the share of it large products reach
+    gemm_bytes: int = 2  # bytes an operand element, for the roofline's memory bound
 
     def peak_rate(self, ranks_per_node: int) -> float:
-        """A rank's best measured GEMM rate: the denominator of MFU."""
+        """A rank's best measured GEMM rate, or the published peak: the denominator of MFU."""
+        if self.peak_flops:
+            return self.peak_flops
         counts = sorted(self.gemm)
         use = next((c for c in counts if c >= ranks_per_node), counts[-1])
         return max(rate for _, rate in self.gemm[use])
@@ -110,7 +150,16 @@ class NodeKind:
     def gemm_rate(self, ranks_per_node: int, m: int, n: int, k: int) -> float:
         """A rank's FLOP/s on an (m, k) @ (k, n) product, interpolated in log size
         between the measured square products (by the geometric mean side), flat beyond
-        them; the table of the nearest measured ranks-per-node count at or above."""
+        them; the table of the nearest measured ranks-per-node count at or above.
+        Roofline form (``peak_flops``): ``peak * efficiency``, or slower when moving the
+        three operands at the stream rate takes longer than the products."""
+        if self.peak_flops:
+            flops = 2.0 * m * n * k
+            t = flops / (self.peak_flops * self.gemm_efficiency)
+            stream = self.stream_rate(ranks_per_node)
+            if stream:
+                t = max(t, self.gemm_bytes * (m * k + k * n + m * n) / stream)
+            return flops / t
         counts = sorted(self.gemm)
         use = next((c for c in counts if c >= ranks_per_node), counts[-1])
         table = self.gemm[use]
@@ -130,7 +179,7 @@ class Cluster:
     launcher: str
     kinds: dict[str, NodeKind]
     nodes: tuple[tuple[str, int], ...]  # (kind, count) in rank order
-    links: dict[str, dict[str, Link]]  # level -> op -> Link
+    links: dict[str, dict[str, Link | Pieces]]  # level -> op -> line(s)
 
     @property
     def num_nodes(self) -> int:
@@ -171,14 +220,19 @@ def _known(table: dict, keys: tuple[str, ...], where: str) -> None:
 
 def _kind(raw: dict, i: int) -> NodeKind:
     where = f"kinds[{i}]"
-    _known(raw, ("name", "cores", "memory_gib", "gemm", "stream"), where)
+    _known(raw, ("name", "cores", "memory_gib", "gemm", "stream", "peak_flops",
+                 "gemm_efficiency", "gemm_bytes"), where)
     name = str(_field(raw, "name", where))
     cores = _field(raw, "cores", where)
     if not isinstance(cores, int) or cores < 1:
         raise ClusterError(f"{where}.cores ({cores!r}) must be a positive integer")
     memory = _number(f"{where}.memory_gib", _field(raw, "memory_gib", where)) * 2**30
-    gemm_raw = _field(raw, "gemm", where)
-    if not isinstance(gemm_raw, dict) or not gemm_raw:
+    roof = _roofline(raw, where)
+    if roof and "gemm" in raw:
+        raise ClusterError(f"{where}: give a gemm table or peak_flops with gemm_efficiency, "
+                           f"not both")
+    gemm_raw = {} if roof else _field(raw, "gemm", where)
+    if not roof and (not isinstance(gemm_raw, dict) or not gemm_raw):
         raise ClusterError(f"{where}.gemm must be a table: ranks per node -> [[n, FLOP/s], ...]")
     gemm = {}
     for key, rows in gemm_raw.items():
@@ -200,7 +254,27 @@ def _kind(raw: dict, i: int) -> NodeKind:
         if not isinstance(raw["stream"], dict) or not raw["stream"]:
             raise ClusterError(f"{where}.stream must be a table: ranks per node -> bytes/s")
         stream = {int(k): _number(f"{where}.stream.{k}", v) for k, v in raw["stream"].items()}
-    return NodeKind(name, cores, memory, gemm, stream)
+    return NodeKind(name, cores, memory, gemm, stream, **roof)
+
+
+def _roofline(raw: dict, where: str) -> dict:
+    """The roofline fields of a kind (none, or peak_flops and gemm_efficiency both)."""
+    given = [k for k in ("peak_flops", "gemm_efficiency", "gemm_bytes") if k in raw]
+    if not given:
+        return {}
+    for k in ("peak_flops", "gemm_efficiency"):
+        if k not in raw:
+            raise ClusterError(f"{where}: missing field {k!r} (the roofline form needs "
+                               f"peak_flops and gemm_efficiency)")
+    eff = _number(f"{where}.gemm_efficiency", raw["gemm_efficiency"])
+    if eff > 1:
+        raise ClusterError(f"{where}.gemm_efficiency ({eff}) must be at most 1 (a share "
+                           f"of peak_flops)")
+    out = {"peak_flops": _number(f"{where}.peak_flops", raw["peak_flops"]),
+           "gemm_efficiency": eff}
+    if "gemm_bytes" in raw:
+        out["gemm_bytes"] = int(_number(f"{where}.gemm_bytes", raw["gemm_bytes"]))
+    return out
 
 
 def _links(raw: dict) -> dict[str, dict[str, Link]]:
@@ -213,14 +287,49 @@ def _links(raw: dict) -> dict[str, dict[str, Link]]:
         for op in OPS:
             where = f"links.{level}.{op}"
             link = _field(table, op, f"links.{level}")
-            _known(link, ("latency_s", "bandwidth_Bps"), where)
-            out[level][op] = Link(
-                _number(f"{where}.latency_s", _field(link, "latency_s", where), positive=False),
-                _number(f"{where}.bandwidth_Bps", _field(link, "bandwidth_Bps", where)))
-            if out[level][op].latency_s < 0:
-                raise ClusterError(f"{where}.latency_s ({out[level][op].latency_s}) must not "
-                                   f"be negative")
+            if isinstance(link, list):
+                out[level][op] = _pieces(link, where)
+            else:
+                out[level][op] = _line(link, where)
     return out
+
+
+def _line(raw: Any, where: str, keys: tuple[str, ...] = ("latency_s", "bandwidth_Bps"),
+          negative: bool = False) -> Link:
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{where} ({raw!r}) must be a table {{ latency_s, bandwidth_Bps }}")
+    _known(raw, keys, where)
+    link = Link(_number(f"{where}.latency_s", _field(raw, "latency_s", where), positive=False),
+                _number(f"{where}.bandwidth_Bps", _field(raw, "bandwidth_Bps", where)))
+    if link.latency_s < 0 and not negative:
+        raise ClusterError(f"{where}.latency_s ({link.latency_s}) must not be negative"
+                           + (" (only a range after the first may have one)" if
+                              "upto_bytes" in keys else ""))
+    return link
+
+
+def _pieces(raw: list, where: str) -> Pieces:
+    """A list of ranges: every one but the last with upto_bytes, ascending."""
+    if not raw:
+        raise ClusterError(f"{where} must list one or more ranges")
+    ranges, below = [], 0.0
+    for j, piece in enumerate(raw):
+        at = f"{where}[{j}]"
+        link = _line(piece, at, ("upto_bytes", "latency_s", "bandwidth_Bps"), negative=j > 0)
+        last = j == len(raw) - 1
+        if last:
+            if "upto_bytes" in piece:
+                raise ClusterError(f"{at}: the last range must have no upto_bytes (it takes "
+                                   f"every larger message)")
+            upto = math.inf
+        else:
+            upto = _number(f"{at}.upto_bytes", _field(piece, "upto_bytes", at))
+            if upto <= below:
+                raise ClusterError(f"{at}.upto_bytes ({upto:g}) must be larger than the "
+                                   f"range before's ({below:g})")
+            below = upto
+        ranges.append((upto, link))
+    return Pieces(tuple(ranges))
 
 
 def from_dict(raw: dict, source: str = "cluster") -> Cluster:
@@ -263,10 +372,15 @@ def to_toml(c: Cluster) -> str:
     """The description as TOML, the way ``load_cluster`` reads it back."""
     lines = [f"name = {c.name!r}".replace("'", '"'), f'launcher = "{c.launcher}"', ""]
     for k in c.kinds.values():
-        gemm = ", ".join(f"{r} = [{', '.join(f'[{n}, {rate:.4e}]' for n, rate in rows)}]"
-                         for r, rows in sorted(k.gemm.items()))
         lines += ["[[kinds]]", f'name = "{k.name}"', f"cores = {k.cores}",
-                  f"memory_gib = {k.memory_bytes / 2**30:.3f}", f"gemm = {{ {gemm} }}"]
+                  f"memory_gib = {k.memory_bytes / 2**30:.3f}"]
+        if k.peak_flops:
+            lines += [f"peak_flops = {k.peak_flops:.4e}",
+                      f"gemm_efficiency = {k.gemm_efficiency}", f"gemm_bytes = {k.gemm_bytes}"]
+        else:
+            gemm = ", ".join(f"{r} = [{', '.join(f'[{n}, {rate:.4e}]' for n, rate in rows)}]"
+                             for r, rows in sorted(k.gemm.items()))
+            lines.append(f"gemm = {{ {gemm} }}")
         if k.stream:
             lines.append("stream = { " + ", ".join(f"{r} = {v:.4e}" for r, v in
                                                    sorted(k.stream.items())) + " }")
@@ -276,8 +390,16 @@ def to_toml(c: Cluster) -> str:
     for level in LEVELS:
         lines.append(f"[links.{level}]")
         for op in OPS:
-            link = c.links[level][op]
-            lines.append(f"{op} = {{ latency_s = {link.latency_s:.4e}, "
-                         f"bandwidth_Bps = {link.bandwidth_Bps:.4e} }}")
+            lines.append(f"{op} = {_link_toml(c.links[level][op])}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _link_toml(link: Link | Pieces) -> str:
+    def one(line: Link, upto: float = math.inf) -> str:
+        head = "" if math.isinf(upto) else f"upto_bytes = {int(upto)}, "
+        return (f"{{ {head}latency_s = {line.latency_s:.4e}, "
+                f"bandwidth_Bps = {line.bandwidth_Bps:.4e} }}")
+    if isinstance(link, Link):
+        return one(link)
+    return "[" + ", ".join(one(line, upto) for upto, line in link.ranges) + "]"

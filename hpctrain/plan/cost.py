@@ -34,6 +34,15 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
 * optimizer: the bytes of its passes over the parameters it owns (AdamW: read p, g,
   m, v, write p, m, v, plus a scratch copy, 10 passes; SGD 6), the gradient norm and
   clipping (3 passes over the gradients), at ``stream_rate``.
+
+How the software runs a layout beyond the layout itself is a ``Practice``, one for a
+whole comparison (the default is hpctrain's own engine): the element size of
+activations, gradients and messages (bf16: 2); mixed precision (fp32 master weights
+and optimizer state); activation recomputation (``full``: each block's forward again
+before its backward, keeping only its input; ``selective``: the attention scores
+only); whether the data-parallel reduction overlaps the backward; the element-wise
+kernels (hpctrain's NumPy passes, or fused GPU kernels as Megatron's); pipeline
+messages split over the tensor group's links and all-gathered in the node.
 """
 
 from __future__ import annotations
@@ -48,6 +57,34 @@ from hpctrain.plan.cluster import Cluster, NodeKind
 GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
 GRAD_PASSES = 3  # norm (read), clip (read, write)
+RECOMPUTE = ("none", "selective", "full")
+KERNELS = ("numpy", "fused")
+
+
+@dataclass(frozen=True)
+class Practice:
+    """How the training software runs any layout (module docstring); fixed for a whole
+    comparison, never per layout."""
+
+    element_bytes: int | None = None  # activations, gradients, messages; None: the dtype's
+    master_bytes: int = 0  # mixed precision: master weights and optimizer state (fp32: 4)
+    recompute: str = "none"  # "none", "selective" or "full"
+    dp_overlap: bool = True  # gradient buckets reduced during the last backward
+    kernels: str = "numpy"  # element-wise passes: hpctrain's NumPy, or "fused" GPU kernels
+    p2p_scatter_gather: bool = False  # stage messages split over the tp ranks' links
+    # pp > 1: every pipeline rank keeps the whole (tp-sharded) model it was built from,
+    # the other stages' parameters and gradients included (hpctrain's PipelineEngine:
+    # its Stage's activation_shape closure holds the model)
+    keeps_whole_model: bool = True
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute ({self.recompute!r}) must be one of {RECOMPUTE}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels ({self.kernels!r}) must be one of {KERNELS}")
+
+
+HPCTRAIN = Practice()
 
 
 @dataclass(frozen=True)
@@ -115,43 +152,70 @@ def _gemm(kind: NodeKind, rpn: int, m: int, n: int, k: int, count: int = 1) -> f
     return count * 2.0 * m * n * k / kind.gemm_rate(rpn, m, n, k)
 
 
+def attention_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
+    """GEMM seconds of one block's per-head ``T x T`` products (S = q k^T, P v)."""
+    return _gemm(kind, rpn, m.seq_len, m.seq_len, m.head_dim, 2 * b * m.n_head // tp)
+
+
 def block_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
     """GEMM seconds of one block's forward over b sequences on a tp shard."""
-    c, f, t, h = m.d_model, m.ffn_dim, m.seq_len, m.n_head
-    n, d = b * t, m.head_dim
+    c, f, t = m.d_model, m.ffn_dim, m.seq_len
+    n = b * t
     return (_gemm(kind, rpn, n, 3 * c // tp, c) + _gemm(kind, rpn, n, c, c // tp)
             + _gemm(kind, rpn, n, f // tp, c) + _gemm(kind, rpn, n, c, f // tp)
-            + _gemm(kind, rpn, t, t, d, 2 * b * h // tp))
+            + attention_forward_s(m, kind, rpn, b, tp))
 
 
 def head_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
     return _gemm(kind, rpn, b * m.seq_len, m.vocab_size // tp, m.d_model)
 
 
-def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool) -> tuple[float, float]:
-    """(forward, backward) bytes of one block's element-wise passes (an estimate by
-    pass counting: LayerNorm 10 and 18 passes of (N, C), residual adds 3, GELU 19 and
-    20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and its backward 7 of
-    the whole, bias gradients and q's scaling)."""
-    s = mem.itemsize(m)
+def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str = "numpy",
+                       s: int | None = None) -> tuple[float, float, float]:
+    """(forward, backward, the forward's attention-score part) bytes of one block's
+    element-wise passes, an estimate by pass counting.
+
+    numpy (hpctrain's kernels): LayerNorm 10 and 18 passes of (N, C), residual adds 3,
+    GELU 19 and 20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and its
+    backward 7 of the whole, bias gradients and q's scaling.
+    fused (Megatron's GPU kernels, one read and one write each): LayerNorm 2 and 3 of
+    (N, C) twice, bias-dropout-add 3.5 and 2.5 twice (the mask a byte), bias-GELU 2
+    and 3 of (N, F/t), scale-mask-softmax 2 and 3 of (b, H/t, T, T) and its dropout
+    2.5 and 2.5, the q/k/v and context transposes 8 of (N, C/t) each way.
+    """
+    s = s or mem.itemsize(m)
     c, f, t, h = m.d_model, m.ffn_dim, m.seq_len, m.n_head
     n = b * t
     rows = n // tp if sp else n
-    fwd = 2 * 10 * rows * c + 2 * 3 * rows * c + 19 * n * f // tp + 2.5 * b * h // tp * t * t \
+    scores = b * h // tp * t * t
+    if kernels == "fused":
+        fwd = 2 * 2 * rows * c + 2 * 3.5 * rows * c + 2 * n * f // tp + 4.5 * scores \
+            + 8 * n * c // tp
+        bwd = 2 * 3 * rows * c + 2 * 2.5 * rows * c + 3 * n * f // tp + 5.5 * scores \
+            + 8 * n * c // tp
+        return s * fwd, s * bwd, s * 4.5 * scores
+    fwd = 2 * 10 * rows * c + 2 * 3 * rows * c + 19 * n * f // tp + 2.5 * scores \
         + 2 * n * c // tp
-    bwd = 2 * 18 * rows * c + 2 * 3 * rows * c + 20 * n * f // tp + 7 * b * h // tp * t * t \
+    bwd = 2 * 18 * rows * c + 2 * 3 * rows * c + 20 * n * f // tp + 7 * scores \
         + n * (4 * c // tp + 2 * c + f // tp) + 2 * n * c // tp
-    return s * fwd, s * bwd
+    return s * fwd, s * bwd, s * 2.5 * scores
 
 
-def head_stream_bytes(m: ModelConfig, b: int, tp: int) -> tuple[float, float]:
-    s, n = mem.itemsize(m), b * m.seq_len
+def head_stream_bytes(m: ModelConfig, b: int, tp: int, kernels: str = "numpy",
+                      s: int | None = None) -> tuple[float, float]:
+    """numpy: LayerNorm 10 and 18 passes of (N, C), the loss 8 and 6 of (N, V/t);
+    fused: 2 and 3, and the vocabulary-parallel cross-entropy 4 and 3."""
+    s, n = s or mem.itemsize(m), b * m.seq_len
+    if kernels == "fused":
+        return s * (2 * n * m.d_model + 4 * n * m.vocab_size // tp), \
+            s * (3 * n * m.d_model + 3 * n * m.vocab_size // tp)
     return s * (10 * n * m.d_model + 8 * n * m.vocab_size // tp), \
         s * (18 * n * m.d_model + 6 * n * m.vocab_size // tp)
 
 
-def embed_stream_bytes(m: ModelConfig, b: int, tp: int) -> tuple[float, float]:
-    s, n = mem.itemsize(m), b * m.seq_len
+def embed_stream_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None
+                       ) -> tuple[float, float]:
+    s, n = s or mem.itemsize(m), b * m.seq_len
     return s * 5 * n * m.d_model, s * 4 * n * m.d_model
 
 
@@ -195,12 +259,14 @@ def _schedule(schedule: str, pp: int, m: int, v: int):
 
 
 def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
-             replay: bool = True, memo: dict | None = None) -> Estimate:
+             replay: bool = True, memo: dict | None = None,
+             practice: Practice = HPCTRAIN) -> Estimate:
     """Predicted step of a validated ``cfg`` on ``cluster`` (module docstring).
 
     ``replay``: the pipeline by the schedule's timeline (False: the closed form, for
     the search's first pass). ``memo``: a dict the search shares between calls on one
-    cluster, keeping the GEMM times of each shape.
+    cluster, keeping the GEMM times of each shape. ``practice``: how the software runs
+    the layout (``Practice``; default hpctrain's engine).
     """
     memo = {} if memo is None else memo
 
@@ -218,7 +284,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     dp, tp, pp, mb, v = par.dp, par.tp, par.pp, par.microbatches, par.virtual_stages
     world = dp * tp * pp
     rpn = ranks_per_node(cluster, world)
-    sp, s = par.sequence_parallel and tp > 1, mem.itemsize(m)
+    sp, s = par.sequence_parallel and tp > 1, practice.element_bytes or mem.itemsize(m)
+    rc, kernels = practice.recompute, practice.kernels
     b = t.batch_size // (dp * mb)
     n_tokens = b * m.seq_len
     notes = []
@@ -229,8 +296,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     spans = mem.chunk_blocks(m, pp, v, par.balance)
     n_chunks = len(spans)
     orders, live = _schedule(par.schedule, pp, mb, v) if pp > 1 else (None, (1,))
-    act_msg = s * n_tokens * m.d_model / (tp if sp else 1)
-    p2p = cluster.collective_time("p2p", 2, act_msg, p2p_inter) if pp > 1 else 0.0
+    p2p = p2p_s(cluster, mem.boundary_bytes(m, b, tp, sp, s), tp, sp, p2p_inter,
+                practice.p2p_scatter_gather) if pp > 1 else 0.0
     states = mem.OPTIMIZER_STATES[t.optimizer]
     stream_missing = False
 
@@ -242,7 +309,11 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         stream = min((k.stream_rate(rpn) or 0.0) for k in kinds)
         stream_missing |= stream == 0.0
         blk_f = cached(block_forward_s, slow, rpn, b, tp)
-        f_bytes, b_bytes = block_stream_bytes(m, b, tp, sp)
+        f_bytes, b_bytes, score_bytes = block_stream_bytes(m, b, tp, sp, kernels, s)
+        # recomputation: what a block's backward does again of its forward
+        again = {"none": 0.0, "full": blk_f,
+                 "selective": cached(attention_forward_s, slow, rpn, b, tp)}[rc]
+        again_bytes = {"none": 0.0, "full": f_bytes, "selective": score_bytes}[rc]
         tp_op = tp_collective_s(cluster, tp, s * n_tokens * m.d_model, sp, tp_inter)
         times = {}
         chunks = [c * pp + r for c in range(v)]
@@ -253,17 +324,17 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             blocks += nb
             first, last = k == 0, k == n_chunks - 1
             fwd = nb * blk_f
-            bwd = 2 * nb * blk_f
-            ef, eb = nb * f_bytes, nb * b_bytes
-            comm_f, comm_b = 2 * nb * tp_op, 2 * nb * tp_op
+            bwd = nb * (2 * blk_f + again)
+            ef, eb = nb * f_bytes, nb * (b_bytes + again_bytes)
+            comm_f, comm_b = 2 * nb * tp_op, (4 if rc == "full" else 2) * nb * tp_op
             if first:
-                e1, e2 = embed_stream_bytes(m, b, tp)
+                e1, e2 = embed_stream_bytes(m, b, tp, s)
                 ef, eb = ef + e1, eb + e2
                 comm_f += tp_op
             if last:
                 hf = cached(head_forward_s, slow, rpn, b, tp)
                 fwd, bwd = fwd + hf, bwd + 2 * hf
-                h1, h2 = head_stream_bytes(m, b, tp)
+                h1, h2 = head_stream_bytes(m, b, tp, kernels, s)
                 ef, eb = ef + h1, eb + h2
                 comm_b += tp_op
             if stream:
@@ -272,14 +343,21 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             link_b = 0.0 if first else p2p
             times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
             act_max = max(act_max, mem.chunk_activation_bytes(
-                m, b, tp, sp, nb, first, last, pp > 1))
+                m, b, tp, sp, nb, first, last, pp > 1, rc, s))
         chunk_times.append(times)
         sizes = mem.rank_param_sizes(m, tp, pp, v, par.balance, r)
-        params, grads, optim = mem.state_bytes(sizes, s, dp, par.zero, states, par.bucket_mb)
-        work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks)
+        params, grads, optim = mem.state_bytes(sizes, s, dp, par.zero, states, par.bucket_mb,
+                                               practice.master_bytes)
+        work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks, s)
+        if rc != "none":  # the block being recomputed holds its whole cache again
+            work += mem.block_activation_bytes(m, b, tp, sp, s)
         work = max(work, s * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
-        memory = mem.Memory(params, grads, optim, live[r] * act_max, work, buckets)
+        retained = 0
+        if pp > 1 and practice.keeps_whole_model:  # the other stages' data and grad
+            whole = sum(mem.rank_param_sizes(m, tp, 1, 1, par.balance, 0))
+            retained = 2 * s * max(0, whole - sum(sizes))
+        memory = mem.Memory(params, grads, optim, live[r] * act_max, work, buckets, retained)
         per_rank.append(dict(kinds=kinds, slow=slow, small=small, stream=stream,
                              blocks=blocks, chunks=chunks, memory=memory,
                              numel=sum(sizes)))
@@ -293,9 +371,10 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         link = sum(mb * (lf + lb) for *_, lf, lb in times.values())
         bubble = max(0.0, makespan - busy[r])
         last_bwd = sum(times[k][1] + times[k][3] for k in info["chunks"][:1])
-        dp_s = dp_time(cfg, cluster, info["numel"] * s, rpn, dp_inter, last_bwd)
-        opt_bytes = s * (OPT_PASSES.get(t.optimizer, 10) * info["numel"] *
-                         (1 if par.zero == 0 else 1 / dp) + GRAD_PASSES * info["numel"])
+        window = last_bwd if practice.dp_overlap else 0.0
+        dp_s = dp_time(cfg, cluster, info["numel"] * s, rpn, dp_inter, window)
+        opt_bytes = (practice.master_bytes or s) * OPT_PASSES.get(t.optimizer, 10) * \
+            info["numel"] * (1 if par.zero == 0 else 1 / dp) + s * GRAD_PASSES * info["numel"]
         opt_s = opt_bytes / info["stream"] if info["stream"] else 0.0
         ranks.append(RankCost(r, info["slow"].name, info["blocks"], 0 in info["chunks"],
                               n_chunks - 1 in info["chunks"], live[r], info["memory"],
@@ -312,6 +391,17 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     peak = sum(rpn * cluster.kinds[n].peak_rate(rpn) * count for n, count in cluster.nodes)
     return Estimate(cfg, world, rpn, step, t.batch_size * m.seq_len / step,
                     flops / step / peak, ranks, notes)
+
+
+def p2p_s(cluster: Cluster, nbytes: float, tp: int, sp: bool, inter: bool,
+          scatter_gather: bool) -> float:
+    """One stage-to-stage message of ``nbytes``. Scatter-gather (Megatron): across
+    nodes each of the tp ranks sends its 1/tp over its own link, and the receivers
+    all-gather the whole inside the node (not with SP: the message is already a shard)."""
+    if scatter_gather and inter and tp > 1 and not sp:
+        return (cluster.collective_time("p2p", 2, nbytes / tp, True)
+                + cluster.collective_time("all_gather", tp, nbytes, False))
+    return cluster.collective_time("p2p", 2, nbytes, inter)
 
 
 def tp_collective_s(cluster: Cluster, tp: int, nbytes: float, sp: bool, inter: bool) -> float:

@@ -100,8 +100,10 @@ def rank_param_sizes(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
 # activations
 
 
-def block_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False) -> int:
-    """Bytes one block's forward cache keeps for ``b`` sequences of ``seq_len``."""
+def block_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False,
+                           s: int | None = None) -> int:
+    """Bytes one block's forward cache keeps for ``b`` sequences of ``seq_len`` (``s``
+    bytes an element; default the model's dtype)."""
     c, f, h, t = m.d_model, m.ffn_dim, m.n_head, m.seq_len
     n = b * t
     split = n * (4 * c + 3 * f) // tp + b * h // tp * t * t
@@ -109,28 +111,49 @@ def block_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False
         whole = n // tp * (2 * c + 2) + 2 * n * c
     else:
         whole = n * (4 * c + 2)
-    return itemsize(m) * (whole + split)
+    return (s or itemsize(m)) * (whole + split)
 
 
-def head_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False) -> int:
+def head_activation_bytes(m: ModelConfig, b: int, tp: int = 1, sp: bool = False,
+                          s: int | None = None) -> int:
     c, v, n = m.d_model, m.vocab_size, b * m.seq_len
     if sp:
-        return itemsize(m) * (n // tp * (c + 1) + n * c + n + n * v // tp)
-    return itemsize(m) * (n * (2 * c + 2) + n * v // tp)
+        return (s or itemsize(m)) * (n // tp * (c + 1) + n * c + n + n * v // tp)
+    return (s or itemsize(m)) * (n * (2 * c + 2) + n * v // tp)
+
+
+def boundary_bytes(m: ModelConfig, b: int, tp: int, sp: bool, s: int | None = None) -> int:
+    """One activation passed between pipeline stages (b, T, C), its sequence shard with SP."""
+    return (s or itemsize(m)) * b * m.seq_len * m.d_model // (tp if sp else 1)
+
+
+def kept_block_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
+                     s: int | None = None) -> int:
+    """What one block keeps per microbatch until its backward: its whole cache, or
+    with ``recompute = "full"`` its input only, with ``"selective"`` all but the
+    attention scores (recomputed from q and k in backward)."""
+    if recompute == "full":
+        return boundary_bytes(m, b, tp, sp, s)
+    whole = block_activation_bytes(m, b, tp, sp, s)
+    if recompute == "selective":
+        whole -= (s or itemsize(m)) * b * m.n_head // tp * m.seq_len ** 2
+    return whole
 
 
 def chunk_activation_bytes(m: ModelConfig, b: int, tp: int, sp: bool, blocks: int,
-                           first: bool, last: bool, pipelined: bool) -> int:
+                           first: bool, last: bool, pipelined: bool,
+                           recompute: str = "none", s: int | None = None) -> int:
     """One microbatch's cache of a model chunk (with its received input if pipelined)."""
-    total = blocks * block_activation_bytes(m, b, tp, sp)
+    total = blocks * kept_block_bytes(m, b, tp, sp, recompute, s)
     if last:
-        total += head_activation_bytes(m, b, tp, sp)
+        total += head_activation_bytes(m, b, tp, sp, s)
     if pipelined and not first:
-        total += itemsize(m) * b * m.seq_len * m.d_model // (tp if sp else 1)
+        total += boundary_bytes(m, b, tp, sp, s)
     return total
 
 
-def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool) -> int:
+def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool,
+                    s: int | None = None) -> int:
     """The transient peak above the caches (an estimate): a block's backward holds
     dqkv (N, 3C/t), dP (b, H/t, T, T), the gradient flowing down (N, C) twice and the
     MLP's (N, F/t) twice; the head's backward the logits' exponentials and dlogits
@@ -139,7 +162,7 @@ def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool) -
     n = b * t
     block = n * 3 * c // tp + b * h // tp * t * t + 2 * n * c + 2 * n * f // tp
     head = 2 * n * v // tp + 2 * n * c if has_head else 0
-    return itemsize(m) * max(block, head)
+    return (s or itemsize(m)) * max(block, head)
 
 
 # ---------------------------------------------------------------------------------
@@ -156,26 +179,30 @@ class Memory:
     activations: int  # caches of the microbatches alive at the schedule's peak
     workspace: int  # transient arrays of one forward or backward, and the optimizer scratch
     buckets: int  # communication buffers beyond the gradient buckets themselves
+    retained: int = 0  # arrays the engine keeps alive but this rank never uses
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations
-                + self.workspace + self.buckets)
+                + self.workspace + self.buckets + self.retained)
 
     def terms(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "workspace": self.workspace,
-                "buckets": self.buckets}
+                "buckets": self.buckets, "retained": self.retained}
 
 
 def state_bytes(sizes: list[int], s: int, dp: int, zero: int, states: int,
-                bucket_mb: float) -> tuple[int, int, int]:
+                bucket_mb: float, master: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for parameter ``sizes`` (model order), as
     ``zero.expected_memory``: stage 0 whole; 1 and 2 pad every bucket to a multiple of
-    dp and shard the optimizer state (2: and the gradients) over dp."""
+    dp and shard the optimizer state (2: and the gradients) over dp. ``master``: mixed
+    precision, the optimizer keeps a copy of the parameters and its states in
+    ``master`` bytes an element (fp32: 4)."""
     numel = sum(sizes)
+    per = (states + 1) * master if master else states * s
     if zero == 0:
-        return numel * s, numel * s, states * numel * s
+        return numel * s, numel * s, per * numel
     padded = sum(size for *_, size in plan_buckets(list(reversed(sizes)), s, bucket_mb, dp))
     shard = padded // dp
-    return padded * s, (padded if zero == 1 else shard) * s, states * shard * s
+    return padded * s, (padded if zero == 1 else shard) * s, per * shard

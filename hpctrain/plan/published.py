@@ -1,0 +1,186 @@
+"""The planner against published runs at scale: Megatron-LM on Selene (A100 80 GB).
+
+Two tables of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC '21, arXiv 2104.04473), both GPT models with a
+vocabulary of 51,200 and sequences of 2,048, on DGX A100 nodes:
+
+* Table 1, weak scaling: ten models from 1.7B to 1T parameters, each with its (t, p),
+  GPU count, global batch and achieved teraFLOP/s per GPU;
+* Table 2, PTD-P's rows of the comparison with ZeRO-3: the 175B and 530B models at
+  three GPU counts each (microbatch 1).
+
+The rows are typed in from the paper (the stored reference text gave the README's
+description of Table 1 but not its numbers). Every row goes through the same
+``cost.estimate`` on the same cluster description (``configs/clusters/a100-selene.toml``)
+with one ``Practice``, ``MEGATRON``: fixed for all rows, nothing fitted per row.
+
+Published teraFLOP/s are the paper's model FLOPs (its equation 3, with full
+activation recomputation) over the measured time, so the prediction is the same
+count over the predicted time::
+
+    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))      per step
+    predicted TFLOP/s per GPU = F / (predicted step * GPUs)
+
+What the paper does not give per row, taken the same for all: microbatch size 1 (its
+Table 2 and section 3.5: small microbatches for large models); the non-interleaved
+1F1B schedule (it does not say which rows ran the interleaved one); data-parallel
+all-reduce after the backward, not overlapped (Megatron's 2021 engine); fp16 weights,
+gradients and messages with fp32 master weights and Adam state; full recomputation of
+every transformer layer; pipeline messages split over the 8 tensor-parallel ranks'
+adapters (its scatter/gather optimisation); fused element-wise kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hpctrain import config
+from hpctrain.config import Config
+from hpctrain.plan import cost
+from hpctrain.plan import memory as mem
+from hpctrain.plan.cluster import Cluster
+
+VOCAB, SEQ = 51200, 2048
+CLUSTER = "configs/clusters/a100-selene.toml"
+MEGATRON = cost.Practice(element_bytes=2, master_bytes=4, recompute="full",
+                         dp_overlap=False, kernels="fused", p2p_scatter_gather=True,
+                         keeps_whole_model=False)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published run: the model, the layout, the measured throughput."""
+
+    table: str
+    billions: float  # parameters, as published
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float  # achieved teraFLOP/s per GPU
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def name(self) -> str:
+        return f"{self.billions:g}B t{self.tp} p{self.pp} d{self.dp}"
+
+
+def _t1(billions, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Row:
+    return Row("Table 1", billions, heads, hidden, layers, tp, pp, gpus, batch, tflops)
+
+
+def _t2(billions, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Row:
+    return Row("Table 2", billions, heads, hidden, layers, tp, pp, gpus, batch, tflops)
+
+
+ROWS = (
+    # Table 1: weak scaling (published % of peak: 44 44 46 43 44 45 47 50 52 52)
+    _t1(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    _t1(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    _t1(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    _t1(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    _t1(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    _t1(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _t1(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    _t1(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    _t1(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    _t1(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    # Table 2: PTD-P against ZeRO-3, microbatch 1 (model-parallel size 96 = 8 x 12,
+    # 280 = 8 x 35)
+    _t2(174.6, 96, 12288, 96, 8, 12, 384, 1536, 153),
+    _t2(174.6, 96, 12288, 96, 8, 12, 768, 1536, 149),
+    _t2(174.6, 96, 12288, 96, 8, 12, 1536, 1536, 141),
+    _t2(529.6, 128, 20480, 105, 8, 35, 560, 2240, 171),
+    _t2(529.6, 128, 20480, 105, 8, 35, 1120, 2240, 167),
+    _t2(529.6, 128, 20480, 105, 8, 35, 2240, 2240, 159),
+)
+
+
+def row_config(row: Row, microbatch: int = 1, schedule: str = "1f1b") -> Config:
+    """The row's GPT (tied embeddings, learned positions, 4h MLP: Megatron's GPT) at
+    its layout, validated by the same rules as ``hpctrain train``."""
+    raw = {"model": {"kind": "gpt", "n_layer": row.layers, "d_model": row.hidden,
+                     "n_head": row.heads, "seq_len": SEQ, "vocab_size": VOCAB,
+                     "tie_embeddings": True},
+           "parallel": {"dp": row.dp, "tp": row.tp, "pp": row.pp,
+                        "microbatches": row.batch // (row.dp * microbatch),
+                        "schedule": schedule if row.pp > 1 else "1f1b"},
+           "train": {"batch_size": row.batch}}
+    return config.from_dict(raw, source=f"published {row.name}").validate(row.gpus)
+
+
+def parameters(row: Row) -> int:
+    """The row's parameter count, from the planner's own per-piece sizes."""
+    m = row_config(row).model
+    return sum(mem.rank_param_sizes(m, 1, 1, 1, "layers", 0))
+
+
+def paper_parameters(row: Row) -> float:
+    """The paper's count: ``12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h))``."""
+    n, h = row.layers, row.hidden
+    return 12 * n * h * h * (1 + 13 / (12 * h) + (VOCAB + SEQ) / (12 * n * h))
+
+
+def paper_flops(row: Row) -> float:
+    """FLOPs of one step as the paper counts them (full recomputation included)."""
+    n, h = row.layers, row.hidden  # the paper's l and h
+    return 96 * row.batch * SEQ * n * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * n * h))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    row: Row
+    estimate: cost.Estimate
+
+    @property
+    def tflops(self) -> float:
+        return paper_flops(self.row) / (self.estimate.step_s * self.row.gpus) / 1e12
+
+    @property
+    def error(self) -> float:
+        return self.tflops / self.row.tflops - 1
+
+
+def on_gpus(cluster: Cluster, gpus: int) -> Cluster:
+    """The first ``gpus / ranks per node`` nodes of a one-kind cluster."""
+    (kind, count), = cluster.nodes
+    per = cluster.kinds[kind].cores
+    if gpus % per or gpus // per > count:
+        raise ValueError(f"{gpus} GPUs must fill whole nodes of {per}, at most {count}")
+    return replace(cluster, nodes=((kind, gpus // per),))
+
+
+def predict(row: Row, cluster: Cluster, practice: cost.Practice = MEGATRON) -> Prediction:
+    return Prediction(row, cost.estimate(row_config(row), on_gpus(cluster, row.gpus),
+                                         practice=practice))
+
+
+def report(cluster: Cluster, practice: cost.Practice = MEGATRON, limit: float = 0.15) -> str:
+    """Predicted against published for every row, the error, and each miss's reason."""
+    head = (f"{'table':<8} {'model':<22} {'GPUs':>5} {'batch':>5} {'pub TF':>6} "
+            f"{'pred TF':>7} {'error':>7}  {'step s':>7} {'GiB/GPU':>7}  largest terms")
+    lines = [head, "-" * len(head)]
+    errors = []
+    for row in ROWS:
+        p = predict(row, cluster, practice)
+        errors.append(p.error)
+        top = sorted(p.estimate.shares.items(), key=lambda kv: -kv[1])[:3]
+        terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
+        flag = "" if abs(p.error) <= limit else "  MISS"
+        lines.append(f"{row.table:<8} {row.name:<22} {row.gpus:>5} {row.batch:>5} "
+                     f"{row.tflops:>6.0f} {p.tflops:>7.1f} {100 * p.error:>+6.1f}%  "
+                     f"{p.estimate.step_s:>7.2f} {p.estimate.max_memory / 2**30:>7.1f}  "
+                     f"{terms}{flag}")
+    worst = max(range(len(ROWS)), key=lambda i: abs(errors[i]))
+    inside = sum(abs(e) <= limit for e in errors)
+    lines.append(f"{inside} of {len(ROWS)} rows within {100 * limit:.0f}%; median "
+                 f"|error| {100 * sorted(abs(e) for e in errors)[len(errors) // 2]:.1f}%, "
+                 f"worst {100 * errors[worst]:+.1f}% ({ROWS[worst].table} "
+                 f"{ROWS[worst].name})")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""The planner against Megatron-LM's published runs (``hpctrain.plan.published``): the
+rows' models are the published sizes, and the table computes through ``cost.estimate``."""
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.plan import published as pub
+from hpctrain.plan.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("row", pub.ROWS, ids=lambda r: f"{r.table}-{r.name}")
+def test_each_rows_model_has_the_published_size(row):
+    count = pub.parameters(row) / 1e9
+    # published to one decimal (1.7B is 1.652B: it rounds to 1.7); the paper's own
+    # formula leaves out the final LayerNorm's 2 h
+    assert round(count, 1) == row.billions
+    assert abs(count - row.billions) <= max(0.01 * row.billions, 0.05)
+    assert pub.parameters(row) - pub.paper_parameters(row) == pytest.approx(2 * row.hidden,
+                                                                            abs=1)
+
+
+def test_the_rows_are_the_papers_layouts():
+    t1 = [r for r in pub.ROWS if r.table == "Table 1"]
+    assert [r.gpus for r in t1] == [32, 64, 128, 256, 512, 1024, 1536, 1920, 2520, 3072]
+    # the published aggregate petaFLOP/s are the per-GPU figures times the GPUs
+    aggregate = [4.4, 8.8, 18.2, 34.6, 70.8, 143.8, 227.1, 297.4, 410.2, 502.0]
+    for r, pf in zip(t1, aggregate, strict=True):
+        assert r.tflops * r.gpus / 1e3 == pytest.approx(pf, rel=0.01)
+        assert r.gpus % (r.tp * r.pp) == 0 and r.batch % r.dp == 0
+
+
+def test_the_table_computes_every_row_with_one_cluster_and_practice():
+    cluster = load_cluster(ROOT / pub.CLUSTER)
+    text = pub.report(cluster)
+    assert len([line for line in text.splitlines() if line.startswith("Table")]) == \
+        len(pub.ROWS)
+    for row in pub.ROWS:
+        p = pub.predict(row, cluster)
+        assert p.estimate.world == row.gpus
+        assert p.estimate.ranks_per_node == 8
+        # fits the 80 GB GPU, and the throughput is below the 312 TFLOP/s peak
+        assert p.estimate.max_memory < 80 * 2**30
+        assert 0 < p.tflops < 312
+        # where the predictions stand (benchmarks/README.md): all within 25%
+        assert abs(p.error) < 0.25, (row.name, p.tflops)
+
+
+def test_paper_flops_by_hand():
+    row = pub.ROWS[0]  # 1.7B: l 24, h 2304, B 512
+    n, h, s, v = 24, 2304, 2048, 51200
+    expect = 96 * 512 * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+    assert pub.paper_flops(row) == pytest.approx(expect)
+    # the model's own count is the step without recomputation: 72 of the 96 for the
+    # layers, and the same 6 B s h V for the head (not recomputed)
+    from hpctrain.models.registry import model_class
+    own = model_class("gpt").model_flops(pub.row_config(row).model, row.batch)
+    head = 6 * 512 * s * h * v
+    assert (own - head) * 96 / 72 + head == pytest.approx(expect, rel=1e-9)
