@@ -193,16 +193,17 @@ def test_full_recomputation_repeats_each_blocks_forward_and_keeps_its_input():
         full.ranks[0].live * 4 * b * m.seq_len * m.d_model
 
 
-def test_pipeline_ranks_keep_the_other_stages_parameters_and_gradients():
-    """hpctrain's PipelineEngine keeps the serial model alive (measured: the pp2 rows of
-    benchmarks/README.md); a practice that builds only its stage does not."""
+def test_a_practice_that_keeps_the_whole_model_counts_the_other_stages():
+    """A pipeline engine that keeps the serial model alive (hpctrain's did: the pp2 rows
+    of benchmarks/README.md) holds the other stages' parameters and gradients; one that
+    builds only its stage (hpctrain's now, the default) does not."""
     cfg = make(world=2, pp=2, microbatches=2)
     whole = sum(mem.rank_param_sizes(cfg.model, 1, 1, 1, "layers", 0))
-    e = cost.estimate(cfg, cluster())
+    e = cost.estimate(cfg, cluster(), practice=cost.Practice(keeps_whole_model=True))
     for r in e.ranks:
         mine = sum(mem.rank_param_sizes(cfg.model, 1, 2, 1, "layers", r.pp_rank))
         assert r.memory.retained == 2 * 4 * (whole - mine)
-    lean = cost.estimate(cfg, cluster(), practice=cost.Practice(keeps_whole_model=False))
+    lean = cost.estimate(cfg, cluster())
     assert all(r.memory.retained == 0 for r in lean.ranks)
     assert cost.estimate(make(), cluster()).ranks[0].memory.retained == 0
 

@@ -24,6 +24,7 @@ drew the diagrams below (forward 1 unit, backward 2, ``F3`` = forward of microba
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -276,8 +277,10 @@ class PipelineEngine:
                                                                          self.pp_size)]
         self.p2p = P2P(self.pp_comm, len(specs), self.microbatches, cfg.model.dtype)
         seq_divisor = topo.tp_size if par.sequence_parallel else 1
-        self.stage = Stage(chunks, self.p2p,
-                           lambda shape: model.activation_shape(cfg.model, shape), seq_divisor)
+        # the class's method, not the model's: a closure over the model would keep the
+        # other stages' parameters and gradients alive on every rank
+        act_shape = functools.partial(type(model).activation_shape, cfg.model)
+        self.stage = Stage(chunks, self.p2p, act_shape, seq_divisor)
         mine = {id(p) for chunk in chunks for p in chunk.parameters()}
         self.named_params = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.params = [p for _, p in self.named_params]

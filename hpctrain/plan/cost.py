@@ -73,9 +73,10 @@ class Practice:
     kernels: str = "numpy"  # element-wise passes: hpctrain's NumPy, or "fused" GPU kernels
     p2p_scatter_gather: bool = False  # stage messages split over the tp ranks' links
     # pp > 1: every pipeline rank keeps the whole (tp-sharded) model it was built from,
-    # the other stages' parameters and gradients included (hpctrain's PipelineEngine:
-    # its Stage's activation_shape closure holds the model)
-    keeps_whole_model: bool = True
+    # the other stages' parameters and gradients included (hpctrain's PipelineEngine
+    # did, until it stopped holding the serial model: 41 MiB a rank at pp2 of the
+    # benchmark GPT)
+    keeps_whole_model: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
