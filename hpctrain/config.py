@@ -21,6 +21,8 @@ from typing import Any
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DTYPES = ("float32", "float64")
 OPTIMIZERS = ("adamw", "sgd")
+SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adam")  # embedding tables (hpctrain.optim.sparse)
+POOLINGS = ("sum", "mean")
 BALANCE = ("layers", "params")
 DP_REDUCE = ("flat", "hierarchical")
 AVERAGING = ("sync", "periodic", "post_local", "diloco", "hierarchical")
@@ -34,6 +36,17 @@ class ConfigError(ValueError):
 # the [model] keys every model reads; the others belong to the model of `kind`, which
 # lists them (`config_keys`, hpctrain.models.protocol)
 COMMON_MODEL_KEYS = ("kind", "dtype", "init_std")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table of a recommendation model: ids of feature ``name`` lie in
+    [0, rows), ``width`` slots per sample (a bag when > 1), pooled by ``pooling``."""
+
+    name: str
+    rows: int
+    width: int = 1
+    pooling: str = "sum"  # "sum" or "mean" over a bag's filled slots
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,18 @@ class ModelConfig:
     image_pad: int = 0  # CNN: zero pixels added on every side of each image
     # 3-D segmentation: the (D, H, W) of one training crop and of one evaluation tile
     crop: tuple[int, ...] = (32, 32, 32)
+    # DLRM (recommendation): one table per sparse feature, in the data's column order
+    # (a TOML array of inline tables {name, rows, width, pooling}), the embedding width,
+    # the bottom MLP over the dense features (its last width is embed_dim), the top MLP
+    # over the pairwise interactions, 1-wide bias tables of the named features, and the
+    # initial output bias (the mean rating)
+    tables: tuple[TableConfig, ...] = ()
+    embed_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (32, 16)
+    top_mlp: tuple[int, ...] = (64, 32)
+    dense_features: tuple[str, ...] = ()
+    bias_features: tuple[str, ...] = ()
+    output_bias: float = 0.0
 
     @property
     def ffn_dim(self) -> int:
@@ -128,6 +153,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     momentum: float = 0.9  # SGD only
+    # embedding tables' optimizer (hpctrain.optim.sparse): "rowwise_adagrad" or "adam"
+    # (lazy), at sparse_lr times the schedule's factor (0: the dense lr); dense AdamW or
+    # SGD (optimizer) for the rest
+    sparse_optimizer: str = "rowwise_adagrad"
+    sparse_lr: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 1234
     eval_interval: int = 50  # steps between validation passes; 0 disables
@@ -329,6 +359,8 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
     _check_shares(t, par)
     _require(t.steps >= 0, f"steps ({t.steps}) must not be negative")
     _require_choice("optimizer", t.optimizer, OPTIMIZERS)
+    _require_choice("sparse_optimizer", t.sparse_optimizer, SPARSE_OPTIMIZERS)
+    _require(t.sparse_lr >= 0, f"sparse_lr ({t.sparse_lr}) must not be negative (0: lr)")
     per_step = par.dp * par.microbatches
     _require(t.batch_size >= 1 and t.batch_size % per_step == 0,
              f"batch_size ({t.batch_size}) must be a positive multiple of dp * microbatches "
@@ -369,11 +401,35 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
         value = float(value)
     elif kind == "str":
         _require(isinstance(value, str), f"{where} ({value!r}) must be a string")
+    elif kind == "tuple[TableConfig, ...]":
+        value = tuple(_table(where, i, v) for i, v in enumerate(_list(where, value)))
+    elif kind == "tuple[str, ...]":
+        _require(all(isinstance(v, str) for v in _list(where, value)),
+                 f"{where} ({value!r}) must be a list of strings")
+        value = tuple(value)
     elif kind.startswith("tuple"):
         _require(isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value),
                  f"{where} ({value!r}) must be a list of integers")
         value = tuple(value)
     return value
+
+
+def _list(where: str, value: Any) -> list | tuple:
+    _require(isinstance(value, (list, tuple)), f"{where} ({value!r}) must be a list")
+    return value
+
+
+def _table(where: str, i: int, value: Any) -> TableConfig:
+    """One inline table {name, rows, width, pooling} of [model] tables, checked."""
+    if isinstance(value, TableConfig):
+        return value
+    known = {f.name: f for f in fields(TableConfig)}
+    _require(isinstance(value, dict) and "name" in value and "rows" in value,
+             f"{where}[{i}] ({value!r}) must be an inline table with at least name and rows")
+    bad = sorted(set(value) - set(known))
+    _require(not bad, f"{where}[{i}]: unknown key(s) {bad}; known: {sorted(known)}")
+    return TableConfig(**{k: _coerce(f"model.tables[{i}]", known[k], v)
+                          for k, v in value.items()})
 
 
 def from_dict(raw: dict[str, Any], source: str = "config") -> Config:

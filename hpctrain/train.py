@@ -36,6 +36,7 @@ from hpctrain.optim.optimizers import SGD, AdamW
 from hpctrain.parallel.data import DataParallel
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.shares import ShareBalancer
+from hpctrain.parallel.sparse_data import has_tables, make_sparse_data_parallel
 from hpctrain.parallel.topology import Topology
 from hpctrain.runtime import (
     blas_spin_warning,
@@ -72,8 +73,11 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
     """Gradient synchronisation and optimizer for ``cfg.parallel.zero``: stage 0 is
     ``DataParallel``, stages 1 and 2 ``ZeroDataParallel`` (collective over the model
     group at construction); each sums flat or hierarchically (``cfg.parallel.dp_reduce``:
-    over the topology's node groups, ``hierarchy.py``)."""
+    over the topology's node groups, ``hierarchy.py``). A model with embedding tables
+    (sparse gradients) gets ``sparse_data.SparseDataParallel``."""
     par = cfg.parallel
+    if has_tables(engine):
+        return make_sparse_data_parallel(cfg, engine, topo)
     if par.averaging != "sync":
         from hpctrain.parallel.averaging import LocalDataParallel, check_nodes
 

@@ -65,9 +65,10 @@ def test_each_mismatch_names_both_values_and_the_fix(tmp_path, datasets):
             check_fits(contents, model)
 
 
-def test_ratings_have_no_model_yet(tmp_path, datasets):
+def test_ratings_are_for_the_dlrm(tmp_path, datasets):
     ratings = read_contents(datasets.make_ratings(tmp_path / "r.h5"))
-    with pytest.raises(DataError, match="hpctrain.ratings data, which no model trains on"):
+    with pytest.raises(DataError, match=r"which a dlrm model trains on; the config's \[model\] "
+                                        r"kind is 'gpt': set kind = \"dlrm\""):
         check_fits(ratings, ModelConfig())
 
 

@@ -104,7 +104,7 @@ def test_model_flops_are_the_models_declaration():
 
 @pytest.mark.parametrize("model, parallel, world, message", [
     (ModelConfig(kind="resnet"), {}, 1,
-     r"model kind \('resnet'\) must be one of gpt, mlp, cnn, seg3d, toy"),
+     r"model kind \('resnet'\) must be one of gpt, mlp, cnn, seg3d, dlrm, toy"),
     (ModelConfig(kind="mlp", n_head=8), {}, 1,
      r"\[model\] key\(s\) \['n_head'\] are not read by model kind 'mlp' \(the MLP "
      r"classifier\); its keys: \['dtype', 'hidden', 'init_std', 'input_dim', 'kind', "

@@ -291,7 +291,8 @@ def test_ratings_and_other_data_are_not_mixed(ratings_h5, tokens_h5, monkeypatch
 
     monkeypatch.setitem(registry.MODELS, "ratings_standin", RatingsStandIn)
     with pytest.raises(DataError, match=r"holds ratings \(hpctrain.ratings\), which a "
-                                        r"ratings_standin model trains on; the config's "
+                                        r"dlrm or ratings_standin model trains on; the "
+                                        r"config's "
                                         r"\[model\] kind is 'gpt'"):
         check_fits(read_contents(ratings_h5), ModelConfig(kind="gpt"))
     with pytest.raises(DataError, match=rf"holds a token stream \({TOKENS}\), which a gpt "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hpctrain.config import ConfigError
 from hpctrain.models.cnn import CNNClassifier
+from hpctrain.models.dlrm import DLRM
 from hpctrain.models.gpt import GPT
 from hpctrain.models.mlp import MLPClassifier
 from hpctrain.models.protocol import Model
@@ -19,6 +20,7 @@ MODELS: dict[str, type[Model]] = {
     "mlp": MLPClassifier,
     "cnn": CNNClassifier,
     "seg3d": Seg3D,
+    "dlrm": DLRM,
 }
 
 

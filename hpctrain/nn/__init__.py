@@ -15,6 +15,8 @@ from hpctrain.nn.conv import (
     ReLU,
     Upsample,
 )
+from hpctrain.nn.embedding import EmbeddingBag, EmbeddingBagCache
+from hpctrain.nn.interaction import DotInteraction, DotInteractionCache
 from hpctrain.nn.layers import (
     GELU,
     Embedding,
@@ -28,7 +30,7 @@ from hpctrain.nn.layers import (
     init_normal,
 )
 from hpctrain.nn.loss import CrossEntropyCache, cross_entropy, cross_entropy_backward
-from hpctrain.nn.module import Module, Parameter
+from hpctrain.nn.module import Module, Parameter, SparseGrad, SparseParameter, is_sparse
 from hpctrain.nn.pool import (
     AvgPool2d,
     AvgPool3d,
@@ -59,7 +61,11 @@ __all__ = [
     "ConvTransposeCache",
     "ConvTransposeNd",
     "CrossEntropyCache",
+    "DotInteraction",
+    "DotInteractionCache",
     "Embedding",
+    "EmbeddingBag",
+    "EmbeddingBagCache",
     "EmbeddingCache",
     "GELUCache",
     "LayerNorm",
@@ -74,11 +80,14 @@ __all__ = [
     "Parameter",
     "ReLU",
     "Residual",
+    "SparseGrad",
+    "SparseParameter",
     "ResidualBlock",
     "ResidualBlockCache",
     "Upsample",
     "cross_entropy",
     "cross_entropy_backward",
     "init_normal",
+    "is_sparse",
     "serial_sum",
 ]

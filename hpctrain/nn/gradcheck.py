@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from hpctrain.nn.module import Parameter
+from hpctrain.nn.module import Parameter, is_sparse
 
 TINY = 1e-30
 
@@ -84,8 +84,10 @@ def check_parameters(f: Callable[[], float], named_params: Iterable[tuple[str, P
     """Relative error of every parameter's ``.grad`` against finite differences of f.
 
     ``.grad`` must already hold the analytic gradient of ``f`` (one forward and backward
-    from zeroed gradients). Returns ``{name: relative error}``.
+    from zeroed gradients). Returns ``{name: relative error}``. A sparse gradient is
+    compared as the dense array it stands for.
     """
     rng = np.random.default_rng(0) if rng is None else rng
-    return {name: check_array(f, p.data, p.grad, eps=eps, max_probes=max_probes, rng=rng)
+    return {name: check_array(f, p.data, p.grad.to_dense() if is_sparse(p) else p.grad,
+                              eps=eps, max_probes=max_probes, rng=rng)
             for name, p in named_params}

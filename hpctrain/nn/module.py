@@ -45,6 +45,98 @@ class Parameter:
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
 
 
+def coalesce(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rows (n,) int, values (n, dim) -> (unique rows ascending (u,), their sums (u, dim)).
+
+    A stable sort then ``np.add.reduceat``: each row's values are added in the order
+    given, so the same input gives the same floats on every rank.
+    """
+    rows = np.asarray(rows, np.int64)
+    if len(rows) == 0:
+        return rows, values
+    order = np.argsort(rows, kind="stable")
+    rows = rows[order]
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+    return rows[starts], np.add.reduceat(values[order], starts, axis=0)
+
+
+class SparseGrad:
+    """The gradient of a table (rows, dim) by rows: ``rows`` (n,) int64 unique and
+    ascending, ``values`` (n, dim) their gradient; every other row's gradient is zero.
+
+    Its cost follows the rows a batch touches, never the table's size: ``add`` merges
+    (``coalesce``), ``zero`` empties it, ``grad *= s`` scales the values (clipping),
+    ``sq_sum`` is the squared norm. ``to_dense`` allocates the whole table: for tests.
+    """
+
+    __slots__ = ("dtype", "rows", "shape", "values")
+
+    def __init__(self, shape: tuple[int, int], dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.zero()
+
+    def zero(self) -> None:
+        self.rows = np.empty(0, np.int64)
+        self.values = np.empty((0, self.shape[1]), self.dtype)
+
+    def add(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Accumulate ``values`` (n, dim) into ``rows`` (n,), repeats allowed."""
+        if len(self.rows):
+            rows = np.concatenate([self.rows, rows])
+            values = np.concatenate([self.values, values])
+        self.rows, self.values = coalesce(rows, values.astype(self.dtype, copy=False))
+
+    def __imul__(self, scale: float) -> SparseGrad:
+        self.values *= scale
+        return self
+
+    def sq_sum(self) -> float:
+        """sum(grad^2), accumulated in float64."""
+        v = self.values.reshape(-1).astype(np.float64, copy=False)
+        return float(np.dot(v, v))
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.values.nbytes
+
+    def to_dense(self) -> np.ndarray:
+        dense = np.zeros(self.shape, self.dtype)
+        dense[self.rows] = self.values
+        return dense
+
+
+class SparseParameter(Parameter):
+    """A table whose ``grad`` is a ``SparseGrad`` (the rows a batch touched), never a
+    dense array: an embedding table (``hpctrain.nn.embedding.EmbeddingBag``).
+
+    Code that reads ``.grad`` as an array refuses it: dense optimizers
+    (``hpctrain.optim.optimizers``) and the bucketed all-reduce
+    (``hpctrain.parallel.data``) raise naming it. Clipping and the gradient norm
+    (``hpctrain.optim.clip``) take both. Its optimizers are in ``hpctrain.optim.sparse``,
+    its data-parallel exchange in ``hpctrain.parallel.sparse_data``; checkpoints save
+    its ``data`` like any parameter's.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, data: np.ndarray):
+        self.data = np.ascontiguousarray(data)
+        if self.data.ndim != 2:
+            raise ValueError(f"a sparse parameter is a table (rows, dim), not shape "
+                             f"{self.data.shape}")
+        self.grad = SparseGrad(self.data.shape, self.data.dtype)
+
+    def zero_grad(self) -> None:
+        self.grad.zero()
+
+    def __repr__(self) -> str:
+        return f"SparseParameter(shape={self.data.shape}, dtype={self.data.dtype})"
+
+
+def is_sparse(p: Parameter) -> bool:
+    return isinstance(p, SparseParameter)
+
+
 class Module:
     """Base class: parameter discovery by attribute walk; no behaviour of its own.
 

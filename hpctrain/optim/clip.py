@@ -4,7 +4,9 @@
     scale = min(1, max_norm / (norm + 1e-6));  grad *= scale     clip_grads
 
 A data- or tensor-parallel caller sums the squared local norms across ranks and hands
-the global norm to ``clip_grads``; every rank then scales by the same factor.
+the global norm to ``clip_grads``; every rank then scales by the same factor. A table's
+sparse gradient (``SparseGrad``: the rows a batch touched) counts its values, and
+scales them, exactly as the dense gradient it stands for.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from hpctrain.nn.module import Parameter
+from hpctrain.nn.module import Parameter, is_sparse
 from hpctrain.nn.threads import over_rows
 
 _CHUNK = 1 << 16  # elements converted to float64 at a time
@@ -26,11 +28,13 @@ def grad_sq_sum(params: Iterable[Parameter]) -> float:
     Each chunk's sum is taken on the rank's element-wise threads, then the chunk sums
     are added in order: the same float at any thread count.
     """
-    chunks = [g[start:start + _CHUNK] for g in (p.grad.reshape(-1) for p in params)
+    params = list(params)
+    chunks = [g[start:start + _CHUNK] for g in (p.grad.reshape(-1) for p in params
+                                                if not is_sparse(p))
               for start in range(0, g.size, _CHUNK)]
     sums = np.empty(len(chunks))
     over_rows(lambda idx, out: _sq_sums(chunks, idx, out), np.arange(len(chunks)), sums)
-    return float(sum(sums.tolist()))
+    return float(sum(sums.tolist()) + sum(p.grad.sq_sum() for p in params if is_sparse(p)))
 
 
 def _sq_sums(chunks: list[np.ndarray], idx: np.ndarray, out: np.ndarray) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from hpctrain.nn.module import Parameter
+from hpctrain.nn.module import Parameter, is_sparse
 from hpctrain.nn.threads import over_rows
 
 PARALLEL_MIN_SIZE = 1 << 16  # elements: smaller parameters update on one thread
@@ -33,38 +33,14 @@ def _elementwise(update, *arrays: np.ndarray) -> None:
         update(*flat)
 
 
-class Optimizer:
-    """Shared plumbing: parameter lists, the scratch buffer, state save and load.
-
-    Subclasses name their per-parameter state lists in ``_state_lists`` and implement
-    ``step``; the step counter is ``t``.
-    """
+class StateLists:
+    """State save and load for an optimizer keeping ``names``, a step counter ``t`` and,
+    per name in ``_state_lists``, a list of arrays aligned with ``names`` (the dense
+    optimizers here, the sparse ones of ``hpctrain.optim.sparse``)."""
 
     _state_lists: tuple[str, ...] = ()
-
-    def __init__(self, named_params: Iterable[tuple[str, Parameter]], weight_decay: float,
-                 decay: Iterable[bool] | None = None):
-        named = list(named_params)
-        if not named:
-            raise ValueError("the optimizer got no parameters")
-        self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
-        self.weight_decay = weight_decay
-        self.decay = [p.ndim >= 2 for p in self.params] if decay is None else list(decay)
-        if len(self.decay) != len(self.params):
-            raise ValueError(f"decay has {len(self.decay)} flags for {len(self.params)} "
-                             f"parameters")
-        self.t = 0
-        dtype = np.result_type(*(p.data.dtype for p in self.params))
-        self._scratch = np.empty(max(p.size for p in self.params), dtype)
-
-    def _tmp(self, p: Parameter) -> np.ndarray:
-        """A scratch view with the shape of ``p``; its contents are garbage."""
-        return self._scratch[:p.size].reshape(p.shape)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.zero_grad()
+    names: list[str]
+    t: int
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """``{"t": counter, "<list>.<param name>": array, ...}``; the arrays are live views."""
@@ -90,6 +66,42 @@ class Optimizer:
             if key != "t":
                 array[...] = state[key]
 
+
+class Optimizer(StateLists):
+    """Shared plumbing: parameter lists, the scratch buffer, state save and load.
+
+    Subclasses name their per-parameter state lists in ``_state_lists`` and implement
+    ``step``; the step counter is ``t``.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, Parameter]], weight_decay: float,
+                 decay: Iterable[bool] | None = None):
+        named = list(named_params)
+        if not named:
+            raise ValueError("the optimizer got no parameters")
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        sparse = [name for name, p in named if is_sparse(p)]
+        if sparse:
+            raise ValueError(f"{type(self).__name__} updates dense gradients; {sparse} have "
+                             f"sparse ones (embedding tables): give them to an optimizer of "
+                             f"hpctrain.optim.sparse")
+        self.weight_decay = weight_decay
+        self.decay = [p.ndim >= 2 for p in self.params] if decay is None else list(decay)
+        if len(self.decay) != len(self.params):
+            raise ValueError(f"decay has {len(self.decay)} flags for {len(self.params)} "
+                             f"parameters")
+        self.t = 0
+        dtype = np.result_type(*(p.data.dtype for p in self.params))
+        self._scratch = np.empty(max(p.size for p in self.params), dtype)
+
+    def _tmp(self, p: Parameter) -> np.ndarray:
+        """A scratch view with the shape of ``p``; its contents are garbage."""
+        return self._scratch[:p.size].reshape(p.shape)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.zero_grad()
 
 class AdamW(Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter), as in torch.optim.AdamW.

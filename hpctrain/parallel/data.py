@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from hpctrain import trace
+from hpctrain.nn.module import is_sparse
 from hpctrain.optim import clip
 
 MiB = 1 << 20
@@ -106,6 +107,11 @@ def _layout(backward: list, bucket_mb: float,
     """The buckets of parameters in backward order, one flat buffer per dtype, in
     launch order (by the backward position of each bucket's first parameter); and
     each buffer's size."""
+    sparse = [p for p in backward if is_sparse(p)]
+    if sparse:
+        raise ValueError(f"the bucketed all-reduce sums dense gradients; {sparse} have sparse "
+                         f"ones (embedding tables): hpctrain.parallel.sparse_data exchanges "
+                         f"those")
     by_dtype: dict[np.dtype, list] = {}
     for p in backward:
         by_dtype.setdefault(p.data.dtype, []).append(p)
