@@ -5,6 +5,14 @@
     python benchmarks/bench_plan.py compare --out runs/plan --cluster FILE.toml
     python benchmarks/bench_plan.py published                       Megatron on Selene
 
+    across emulated nodes (root): describe the cluster, run its layouts, compare
+    sudo .venv/bin/hpctrain calibrate --emulated 2:1gbit \
+        --out configs/clusters/emulated-2x1gbit.toml
+    sudo .venv/bin/python benchmarks/bench_plan.py measure --nodes 2 --link 1gbit \
+        --out runs/plan-emu2
+    python benchmarks/bench_plan.py compare --nodes 2 --out runs/plan-emu2 \
+        --cluster configs/clusters/emulated-2x1gbit.toml
+
 ``measure`` runs each layout (``LAYOUTS``) twice as its own MPI job: once timed
 (``--steps`` steps, the median ``step_time_s`` after ``--warmup``), once with
 ``tracemalloc`` (3 steps; the peak of the traced NumPy and Python allocations of each
@@ -14,7 +22,13 @@ float32 arrays, all ranks at once) at 1 and 2 ranks, which ``hpctrain calibrate`
 does not; ``compare`` adds it to the cluster description it reads when the file has
 none. ``compare`` prints predicted against measured per layout, the median and worst
 step-time error, Spearman's rank correlation, and whether the predicted best is the
-measured best. ``published`` prints the predictions for Megatron-LM's published runs
+measured best. ``measure --nodes N`` brings up
+``N`` one-core nodes (``hpctrain cluster``: links shaped at ``--link``, UCX over TCP on
+them), runs ``ON_NODES[N]`` one rank a node (one BLAS thread; serial on the first node
+alone) and removes the cluster; ``load.json`` keeps, per layout, the load average
+before and after, the bytes node 0 sent over its link and the cores each node got.
+``compare --nodes N`` compares those layouts, serial against the description cut to
+one node. ``published`` prints the predictions for Megatron-LM's published runs
 on A100 nodes against their published teraFLOP/s per GPU (``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
 ``--gemm-efficiency`` replaces the description's to show how the table moves with it).
@@ -25,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -48,10 +63,29 @@ LAYOUTS = {
     "pp2-mb4-1f1b": (2, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
     "dp2-z1": (2, {"dp": 2, "zero": 1}),
     "dp2-z2": (2, {"dp": 2, "zero": 2}),
+    # four ranks (the emulated cluster's 4 nodes)
+    "dp4": (4, {"dp": 4}),
+    "dp4-z1": (4, {"dp": 4, "zero": 1}),
+    "dp4-z2": (4, {"dp": 4, "zero": 2}),
+    "pp4-mb4-gpipe": (4, {"pp": 4, "microbatches": 4, "schedule": "gpipe"}),
+    "pp4-mb4-1f1b": (4, {"pp": 4, "microbatches": 4, "schedule": "1f1b"}),
+    "pp4-mb8-1f1b": (4, {"pp": 4, "microbatches": 8, "schedule": "1f1b"}),
+    "dp2-pp2-mb2-1f1b": (4, {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
+    "tp2-dp2": (4, {"tp": 2, "dp": 2}),
+    "tp2-dp2-sp": (4, {"tp": 2, "dp": 2, "sequence_parallel": True}),
+    "tp2-pp2-mb4-1f1b": (4, {"tp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b"}),
 }
+# the layouts of each run: on this machine, and on N emulated one-core nodes (one rank
+# a node; serial runs on the first node alone)
+ON_THIS_MACHINE = [n for n, (ranks, _) in LAYOUTS.items() if ranks <= 2]
+ON_NODES = {2: ON_THIS_MACHINE,
+            4: [n for n, (ranks, _) in LAYOUTS.items() if ranks == 4]}
+CLUSTER_NAME, SUBNET = "hpctplan", "10.224.0.0/24"  # the emulated runs' cluster and switch
 
 
-def layout_config(name: str, steps: int, run_dir: str):
+def layout_config(name: str, steps: int, run_dir: str, threads: int = 0):
+    """The benchmark GPT at layout ``name``; ``threads``: BLAS and element-wise threads
+    a rank (0: the default, the node's cores over its ranks)."""
     from hpctrain import config
     from hpctrain.bench import BENCH_CONFIG
 
@@ -59,6 +93,8 @@ def layout_config(name: str, steps: int, run_dir: str):
     raw = copy.deepcopy(BENCH_CONFIG)
     raw["parallel"] = dict(parallel)
     raw["train"] |= {"steps": steps, "run_dir": run_dir}
+    if threads:
+        raw["train"] |= {"blas_threads": threads, "row_threads": threads}
     raw["data"]["path"] = str(ROOT / raw["data"]["path"])
     return config.from_dict(raw, source=f"bench_plan {name}").validate(ranks)
 
@@ -67,7 +103,7 @@ def layout_config(name: str, steps: int, run_dir: str):
 # MPI workers
 
 
-def worker(name: str, out: str, steps: int, memory: bool) -> None:
+def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0) -> None:
     import tracemalloc
 
     from mpi4py import MPI
@@ -77,7 +113,7 @@ def worker(name: str, out: str, steps: int, memory: bool) -> None:
     comm = MPI.COMM_WORLD
     tag = "memory" if memory else "time"
     run_dir = str(Path(out) / f"{name}-{tag}")
-    cfg = layout_config(name, 3 if memory else steps, run_dir)
+    cfg = layout_config(name, 3 if memory else steps, run_dir, threads)
     hook = None
     if memory:
         tracemalloc.start()
@@ -114,20 +150,76 @@ def stream_worker(out: str) -> None:
 # the driver
 
 
-def launch(ranks: int, args: list[str], timeout: float = 900) -> None:
-    cmd = [MPIEXEC, "-n", str(ranks), PY, "-m", "mpi4py", __file__, *args]
-    subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT)
+def launch(ranks: int, args: list[str], timeout: float = 900, cluster=None) -> None:
+    """``ranks`` ranks of this script's ``args`` on this machine, or one a node on the
+    first ``ranks`` nodes of an emulated ``cluster`` (``lifecycle.Cluster``)."""
+    argv = [PY, "-m", "mpi4py", __file__, *args]
+    if cluster is None:
+        cmd = [MPIEXEC, "-n", str(ranks), *argv]
+    else:
+        cmd = cluster.mpiexec_command(argv + ["--threads", "1"], ranks_per_node=1,
+                                      ranks=ranks, mpiexec=MPIEXEC)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"} \
+        if cluster else None
+    subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def measure(out: str, steps: int, warmup: int, names: list[str]) -> None:
+def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None) -> None:
+    """Each layout timed, then traced for memory; ``load.json`` records the 1-minute
+    load average before and after each layout (and on a cluster what node 0's switch
+    port counted leaving it during the timed run)."""
     Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(out) / "load.json"
+    loads = json.loads(path.read_text()) if path.exists() else {}
     for name in names:
         ranks = LAYOUTS[name][0]
-        load = Path("/proc/loadavg").read_text().split()[0]
+        before = os.getloadavg()[0]
         t0 = time.perf_counter()
-        launch(ranks, ["worker", name, "--out", out, "--steps", str(steps)])
-        launch(ranks, ["worker", name, "--out", out, "--memory"])
-        print(f"{name}: {time.perf_counter() - t0:.0f} s (load {load} before)", flush=True)
+        port0, cpu0 = _port_bytes(cluster), _node_cpu_s(cluster)
+        launch(ranks, ["worker", name, "--out", out, "--steps", str(steps)], cluster=cluster)
+        wall = time.perf_counter() - t0
+        sent = _port_bytes(cluster) - port0
+        cores = [(b - a) / wall for a, b in zip(cpu0, _node_cpu_s(cluster), strict=True)]
+        launch(ranks, ["worker", name, "--out", out, "--memory"], cluster=cluster)
+        loads[name] = {"load": [before, os.getloadavg()[0]], "port_bytes": sent,
+                       "cores_got": cores[:ranks]}
+        path.write_text(json.dumps(loads, indent=2))
+        print(f"{name}: {time.perf_counter() - t0:.0f} s (load {before:.2f} before, "
+              f"{os.getloadavg()[0]:.2f} after"
+              + (f"; node 0 sent {sent / 1e6:.1f} MB over its link; the nodes got "
+                 f"{'/'.join(f'{c:.2f}' for c in cores[:ranks])} cores)" if cluster else ")"),
+              flush=True)
+
+
+def _port_bytes(cluster) -> int:
+    """Bytes node 0 of an emulated cluster has sent through its link (0 without one)."""
+    if cluster is None:
+        return 0
+    from hpctrain.cluster import net
+
+    return net.link_bytes(cluster.spec, cluster.spec.nodes[0])[0]
+
+
+def _node_cpu_s(cluster) -> list[float]:
+    """CPU seconds each node of an emulated cluster has used (its cgroup; [] without one)."""
+    if cluster is None:
+        return []
+    from hpctrain.cluster import cpu
+
+    cg = cpu.detect()
+    return [cpu.usage_s(cg, cluster.spec, n) or 0.0 for n in cluster.spec.nodes]
+
+
+def measure_on_nodes(out: str, steps: int, warmup: int, names: list[str], nodes: int,
+                     link: str) -> None:
+    """``measure`` on an emulated cluster of ``nodes`` one-core nodes at ``link``, brought
+    up for the run and removed after it, pass or fail (root)."""
+    from hpctrain.cluster import lifecycle
+    from hpctrain.cluster import spec as spec_mod
+
+    spec = spec_mod.uniform(nodes, cores=1, link=link, name=CLUSTER_NAME, subnet=SUBNET)
+    with lifecycle.running(spec, log=lambda text: print(text, file=sys.stderr)) as cl:
+        measure(out, steps, warmup, names, cl)
 
 
 def measured(out: str, name: str, warmup: int) -> tuple[float, float]:
@@ -166,18 +258,39 @@ def spearman(x: list[float], y: list[float]) -> float:
     return num / den
 
 
+def first_nodes(cluster, ranks: int):
+    """A cluster of one-rank nodes cut to its first ``ranks`` nodes (a layout of fewer
+    ranks than nodes, as serial on the first node); a cluster of several cores a node
+    as it is."""
+    from hpctrain.plan.cluster import Cluster
+
+    cores = min(k.cores for k in cluster.kinds.values())
+    if cores > 1 or ranks >= cluster.num_nodes:
+        return cluster
+    kept, left = [], ranks
+    for kind, count in cluster.nodes:
+        if left:
+            kept.append((kind, min(count, left)))
+            left -= kept[-1][1]
+    return Cluster(cluster.name, cluster.launcher, cluster.kinds, tuple(kept), cluster.links)
+
+
 def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     from hpctrain.plan.cluster import load_cluster
     from hpctrain.plan.cost import estimate
 
-    cluster, added = with_stream(load_cluster(cluster_path), out)
+    whole, added = with_stream(load_cluster(cluster_path), out)
     rows, pred, meas = [], [], []
+    path = Path(out) / "load.json"
+    loads = json.loads(path.read_text()) if path.exists() else {}
+    got = any("cores_got" in loads.get(n, {}) for n in names)
     head = ("| layout | ranks | predicted ms | measured ms | error | predicted MiB | "
-            "measured MiB | error | largest predicted terms |")
-    lines = [head, "|" + "---|" * 9]
+            "measured MiB | error | largest predicted terms |" + (" cores got |" if got else ""))
+    lines = [head, "|" + "---|" * (10 if got else 9)]
     for name in names:
         ranks = LAYOUTS[name][0]
         cfg = layout_config(name, 1, "/tmp/unused")
+        cluster = first_nodes(whole, ranks)
         e = estimate(cfg, cluster)
         step, peak = measured(out, name, warmup)
         err, merr = e.step_s / step - 1, e.max_memory / peak - 1
@@ -188,7 +301,9 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
         lines.append(f"| {name} | {ranks} | {1e3 * e.step_s:.0f} | {1e3 * step:.0f} | "
                      f"{100 * err:+.1f}% | {e.max_memory / 2**20:.0f} | {peak / 2**20:.0f} | "
-                     f"{100 * merr:+.1f}% | {terms} |")
+                     f"{100 * merr:+.1f}% | {terms} |"
+                     + (" " + "/".join(f"{c:.2f}" for c in loads.get(name, {}).get(
+                         "cores_got", [])) + " |" if got else ""))
     errs = [abs(r[1]) for r in rows]
     merrs = [abs(r[2]) for r in rows]
     best_p, best_m = names[pred.index(min(pred))], names[meas.index(min(meas))]
@@ -201,6 +316,11 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
               f"{100 * max(merrs):.1f}% ({rows[merrs.index(max(merrs))][0]})",
               f"cluster: {cluster_path}" + (f", stream rates from {out}/stream.json"
                                             if added else "")]
+    around = [x for n, v in loads.items() if n in names for x in v["load"]]
+    if around:
+        lines.append(f"1-minute load average around the runs: {min(around):.2f} to "
+                     f"{max(around):.2f}" + ("; cores got: each node's CPU seconds over the "
+                                              "timed run's wall time" if got else ""))
     return "\n".join(lines)
 
 
@@ -232,11 +352,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--threads", type=int, default=0,
+                        help="worker: BLAS and element-wise threads a rank (0: the default)")
+    parser.add_argument("--nodes", type=int, choices=sorted(ON_NODES), default=None,
+                        help="measure: on an emulated cluster of this many one-core nodes, "
+                             "one rank each (root); compare: its layouts")
+    parser.add_argument("--link", default="1gbit",
+                        help="measure --nodes: the rate of every node's link")
+    parser.add_argument("--layouts", default=None,
+                        help="comma-separated (default: the run's, ON_THIS_MACHINE or "
+                             "ON_NODES[--nodes])")
     args = parser.parse_args(argv)
-    names = args.layouts.split(",")
+    names = args.layouts.split(",") if args.layouts else \
+        (ON_NODES[args.nodes] if args.nodes else ON_THIS_MACHINE)
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
     if args.what == "worker":
-        worker(args.layout, args.out, args.steps, args.memory)
+        worker(args.layout, args.out, args.steps, args.memory, args.threads)
     elif args.what == "stream-worker":
         stream_worker(args.out)
     elif args.what == "stream":
@@ -246,6 +379,13 @@ def main(argv: list[str] | None = None) -> None:
         print((Path(args.out) / "stream.json").read_text())
     elif args.what == "published":
         print(published(args.cluster, args.gemm_efficiency))
+    elif args.what == "measure" and args.nodes:
+        if os.geteuid() != 0:
+            sys.exit("measure --nodes builds an emulated cluster: run it as root")
+        too_many = [n for n in names if LAYOUTS[n][0] > args.nodes]
+        if too_many:
+            parser.error(f"layout(s) {too_many} need more than --nodes ({args.nodes}) ranks")
+        measure_on_nodes(args.out, args.steps, args.warmup, names, args.nodes, args.link)
     elif args.what == "measure":
         measure(args.out, args.steps, args.warmup, names)
     else:

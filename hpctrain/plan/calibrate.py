@@ -56,6 +56,9 @@ QUICK_SIZES = (64, 128, 256)
 QUICK_MESSAGES = (KiB, 16 * KiB, 256 * KiB)
 GEMM_BATCH_FLOP = 2e8  # a timed GEMM sample runs products until about this many FLOPs
 COMM_BATCH_BYTES = MiB  # a timed collective sample runs calls until about this many bytes
+SUSTAINED_FLOP = 2e10  # a sustained GEMM sample (about 0.2 s of a core)
+SUSTAINED_PASSES = 40  # a sustained stream sample (about 0.2 s of a core)
+STREAM_ELEMENTS = 16 << 20  # float32 elements per array of the stream probe (64 MiB)
 RESULT_TAG = "CALIBRATE-RESULT "  # rank 0's stdout line carrying the measurements
 PIECE_TOLERANCE = 0.10  # one line is kept when it misses no measured time by more
 
@@ -160,24 +163,32 @@ def _progress(comm, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def gemm_rates(comm, sizes: list[int], repeats: int) -> dict[int, list[float]]:
+def gemm_rates(comm, sizes: list[int], repeats: int,
+               sustained: bool = False) -> dict[int, list[float]]:
     """Each rank's float32 ``n x n x n`` FLOP/s for every n, all ranks at once; a dict
-    n -> [rate of rank 0, rank 1, ...] on every rank. Collective over ``comm``."""
+    n -> [rate of rank 0, rank 1, ...] on every rank. Collective over ``comm``.
+
+    A sample is a batch of about ``GEMM_BATCH_FLOP`` and a rank's rate its best sample;
+    ``sustained``: batches of ``SUSTAINED_FLOP`` and the median sample, the rate of a
+    rank that shares its core (a CPU quota or another node on the core lets one short
+    batch run at full speed, ``DEVELOPERS.md``)."""
     out = {}
     for n in sizes:
         rng = np.random.default_rng(comm.Get_rank())
         a = rng.standard_normal((n, n), dtype=np.float32)
         b = rng.standard_normal((n, n), dtype=np.float32)
         c = np.empty((n, n), np.float32)
-        batch = max(1, int(GEMM_BATCH_FLOP / (2.0 * n**3)))
+        flop = SUSTAINED_FLOP if sustained else GEMM_BATCH_FLOP
+        batch = max(1, int(flop / (2.0 * n**3)))
         np.matmul(a, b, out=c)  # warm-up: BLAS threads started, pages touched
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             comm.Barrier()
             t0 = time.perf_counter()
             for _ in range(batch):
                 np.matmul(a, b, out=c)
-            best = min(best, (time.perf_counter() - t0) / batch)
+            times.append((time.perf_counter() - t0) / batch)
+        best = statistics.median(times) if sustained else min(times)
         rates = np.empty(comm.Get_size())
         comm.Allgather(np.array([2.0 * n**3 / best]), rates)
         out[n] = rates.tolist()
@@ -218,10 +229,13 @@ def _collective(comm, op: str, nbytes: int):
     return ping_pong, 4 * count
 
 
-def collective_times(comm, messages: list[int], repeats: int) -> list[Sample]:
+def collective_times(comm, messages: list[int], repeats: int,
+                     sent: list[float] | None = None) -> list[Sample]:
     """Seconds of each op on each message size over ``comm`` (see the module): the
     median over ``repeats`` of the slowest rank's mean over a batch; no ping-pong on one
-    rank. Collective."""
+    rank. ``sent``: a list this rank's bytes sent by the ring model (``cluster.volume``)
+    over every call made is appended to (what the link must have carried at least).
+    Collective."""
     from mpi4py import MPI
 
     p = comm.Get_size()
@@ -246,8 +260,31 @@ def collective_times(comm, messages: list[int], repeats: int) -> list[Sample]:
             comm.Allreduce(local, slowest, op=MPI.MAX)
             seconds = float(np.median(slowest))
             samples.append(Sample(op, 2 if op == "p2p" else p, moved, seconds))
+            if sent is not None and (op != "p2p" or comm.Get_rank() < 2):
+                sent.append(cl.volume(op, p, moved) * (1 + repeats * batch))
             _progress(comm, f"  {op:14s} p = {p}  {_bytes(moved):>9s}: {seconds * 1e6:10.1f} us")
     return samples
+
+
+def stream_rates(comm, n: int = STREAM_ELEMENTS, repeats: int = 8,
+                 sustained: bool = False) -> list[float]:
+    """Each rank's element-wise bytes/s (``a + b -> c`` on float32 arrays of ``n``,
+    3 x 4 n bytes read and written), every rank at once; the list on every rank. A
+    sample is one pass and a rank's rate its best; ``sustained``: a sample is
+    ``SUSTAINED_PASSES`` passes and the rate the median sample. Collective."""
+    a, b, c = (np.ones(n, np.float32) for _ in range(3))
+    passes = SUSTAINED_PASSES if sustained else 1
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            np.add(a, b, out=c)
+        times.append((time.perf_counter() - t0) / passes)
+    best = statistics.median(times) if sustained else min(times)
+    rates = comm.allgather(3 * 4 * n / best)
+    _progress(comm, "  stream " + ", ".join(f"{r / 1e9:.1f}" for r in rates) + " GB/s per rank")
+    return rates
 
 
 def worker(argv: list[str]) -> None:
@@ -258,6 +295,8 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--messages", default="")
     parser.add_argument("--gemm-repeats", type=int, default=1)
     parser.add_argument("--comm-repeats", type=int, default=1)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--sustained", action="store_true")
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
@@ -269,12 +308,16 @@ def worker(argv: list[str]) -> None:
     messages = [int(v) for v in args.messages.split(",") if v]
     result = {"ranks": comm.Get_size(), "threads": args.threads, "gemm": {}, "samples": []}
     if ints:
-        result["gemm"] = gemm_rates(comm, ints, args.gemm_repeats)
+        result["gemm"] = gemm_rates(comm, ints, args.gemm_repeats, args.sustained)
+    if args.stream:
+        result["stream"] = stream_rates(comm, sustained=args.sustained)
     if messages:
         if comm.Get_size() < 2:
             raise SystemExit("collectives need two or more ranks")
+        sent: list[float] = []
         result["samples"] = [s.__dict__ for s in collective_times(comm, messages,
-                                                                  args.comm_repeats)]
+                                                                  args.comm_repeats, sent)]
+        result["sent_bytes"] = sum(sent)
     if comm.Get_rank() == 0:
         print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -338,13 +381,18 @@ def memory_gib() -> float:
 
 
 def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
-               repeats: tuple[int, int], timeout: float) -> dict:
+               repeats: tuple[int, int], timeout: float, *, stream: bool = False,
+               sustained: bool = False, command=None) -> dict:
     """One MPI job of ``ranks`` ranks; its progress goes to stderr as it runs, its
-    result comes back. A failure or a timeout is a ClickException with the command."""
-    cmd = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
-           "hpctrain.plan.calibrate", "--worker", "--threads", str(threads),
-           "--sizes", ",".join(map(str, sizes)), "--messages", ",".join(map(str, messages)),
-           "--gemm-repeats", str(repeats[0]), "--comm-repeats", str(repeats[1])]
+    result comes back. A failure or a timeout is a ClickException with the command.
+    ``command(ranks, argv)``: the launch command of ``argv`` (default ``launcher -n
+    ranks argv``; the emulated cluster's mpiexec over its nodes)."""
+    argv = [sys.executable, "-m", "mpi4py", "-m",
+            "hpctrain.plan.calibrate", "--worker", "--threads", str(threads),
+            "--sizes", ",".join(map(str, sizes)), "--messages", ",".join(map(str, messages)),
+            "--gemm-repeats", str(repeats[0]), "--comm-repeats", str(repeats[1])]
+    argv += (["--stream"] if stream else []) + (["--sustained"] if sustained else [])
+    cmd = command(ranks, argv) if command else [launcher, "-n", str(ranks), *argv]
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     # a session of its own, so that a timeout ends mpiexec and every rank it started
@@ -493,8 +541,13 @@ def _command_line(ctx: click.Context) -> str:
               help="Seconds one MPI job may take before it is killed.")
 @click.option("--quick", is_flag=True,
               help="Few sizes and repeats (seconds, for tests): the figures are rough.")
+@click.option("--emulated", metavar="NODES:LINK",
+              help="Measure an emulated cluster instead of this machine (root): NODES "
+                   "one-core nodes whose links are shaped at LINK, e.g. 2:1gbit or "
+                   "4:100mbit; the links between nodes are measured over the shaped link "
+                   "(hpctrain/plan/emulated.py).")
 def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, mpiexec,
-                      timeout: int, quick: bool) -> None:
+                      timeout: int, quick: bool, emulated: str | None) -> None:
     """Measure this machine (GEMM rates, MPI collectives) and write its cluster file.
 
     GEMM: for each ranks-per-node count r, r ranks at once, each with cores // r BLAS
@@ -503,12 +556,15 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     all-gather, reduce-scatter and a ping-pong, fitted per op to t = steps(p) latency
     + volume(p, n) / bandwidth (hpctrain/plan/cluster.py). One node is measured: the
     inter-node links are copies of the intra-node ones, and the file says so.
+    With --emulated, an emulated cluster of one-core nodes is built, measured across
+    its shaped links and removed (root).
 
     \b
     Examples:
       hpctrain calibrate --out configs/clusters/this-machine.toml
       hpctrain calibrate --out /tmp/c.toml --quick
       hpctrain calibrate --out c.toml --ranks-per-node 1,2,4 --messages 4KiB,1MiB,16MiB
+      sudo hpctrain calibrate --out configs/clusters/emulated-2x1gbit.toml --emulated 2:1gbit
     """
     from hpctrain.runtime import UserError, find_mpiexec
 
@@ -519,6 +575,15 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
         launcher = mpiexec or find_mpiexec()
     except UserError as err:
         raise click.UsageError(str(err)) from None
+    if emulated:
+        from hpctrain.plan import emulated as emu
+
+        if ranks_per_node:
+            raise click.BadParameter("an emulated node has one core and one rank",
+                                     param_hint="--ranks-per-node")
+        emu.calibrate(emulated, out, sizes, messages, repeats, name, launcher, timeout, quick,
+                      _command_line(click.get_current_context()))
+        return
     cores = core_count()
     plan = Settings(cores, ranks_per_node or tuple(sorted({1, cores})),
                     sizes or (QUICK_SIZES if quick else DEFAULT_SIZES),

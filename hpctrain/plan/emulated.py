@@ -1,0 +1,198 @@
+"""``hpctrain calibrate --emulated NODES:LINK``: the description of an emulated cluster.
+
+Brings up ``NODES`` one-core nodes of ``hpctrain cluster`` (a network namespace and a
+cgroup a node, each link shaped by ``tbf`` at ``LINK``; ``hpctrain/cluster/``), measures
+them with the same workers as ``hpctrain calibrate`` launched one rank a node through
+the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
+``cluster/launch.py``), and removes the cluster, pass or fail:
+
+* **the node kind**, with every node computing at once (``NODES`` ranks, one BLAS
+  thread each): the GEMM table and the element-wise (stream) rate of one rank,
+  sustained (samples of about 0.2 s, their median: ``calibrate.gemm_rates``). Nodes
+  beyond this machine's cores share them (``cpuset`` pins node k to core k mod
+  cores), so 4 nodes on 2 cores measure half a core each: the rate a node has while
+  its peers compute (and while they wait: MPICH's UCX progress loop spins);
+* **the links between nodes**: all-reduce, all-gather, reduce-scatter over p = 2 and
+  p = ``NODES`` ranks, one a node, and a ping-pong between nodes 0 and 1, fitted per
+  op by ``calibrate.fit_pieces``. The switch port of node 0 counts what the node sent;
+  a job whose count is below ``MIN_ON_LINK`` of what the ring model says rank 0 sent
+  did not go over the link (UCX chose shared memory), and is an error.
+
+Every node has one rank, so no collective stays inside a node: ``[links.intra]`` is a
+copy of ``[links.inter]`` and the file says so. ``describe`` is the pure part (what a
+result becomes), tested without root.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from hpctrain.plan import calibrate as cal
+from hpctrain.plan import cluster as cl
+
+NAME, SUBNET = "hpctcal", "10.223.0.0/24"  # the calibration's own cluster and switch
+MIN_ON_LINK = 0.9  # node 0's port must count at least this share of rank 0's ring bytes
+DEFAULT_MESSAGES = tuple(cal.KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
+QUICK_MESSAGES = (cal.KiB, 64 * cal.KiB, cal.MiB)
+
+
+def parse(text: str) -> tuple[int, str]:
+    """``"4:1gbit"`` -> (4, "1gbit"); a ValueError naming the value and the rule."""
+    from hpctrain.cluster.spec import parse_rate
+    from hpctrain.config import ConfigError
+
+    nodes, sep, link = text.partition(":")
+    if not sep or not nodes.strip().isdigit():
+        raise ValueError(f"{text!r} must be NODES:LINK, e.g. 2:1gbit or 4:100mbit")
+    n = int(nodes)
+    if not 2 <= n <= 16:
+        raise ValueError(f"nodes ({n}) must be between 2 and 16")
+    try:
+        parse_rate(link)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+    return n, link.strip()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the jobs on the emulated cluster returned."""
+
+    nodes: int
+    link: str
+    gemm: dict[int, list[float]]  # n -> each rank's FLOP/s, every node at once
+    stream: list[float]  # each rank's bytes/s, every node at once
+    samples: list[cal.Sample]
+    on_link: list[tuple[int, float, int]]  # per job: (ranks, ring bytes of rank 0, port bytes)
+    memory_bytes: float  # this machine's memory
+
+
+def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str]]:
+    """The description (one node kind, ``m.nodes`` nodes, fitted inter links copied to
+    intra) and the fit report's lines. Pure."""
+    gemm = {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm.items()))}
+    kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
+                       {1: statistics.median(m.stream)})
+    links, report = {}, []
+    for op in cl.OPS:
+        mine = [s for s in m.samples if s.op == op]
+        links[op] = cal.fit_pieces(op, mine)
+        report += cal.fit_report(op, links[op], mine)
+    cluster = cl.Cluster(name or f"emulated-{m.nodes}x{m.link}", "mpiexec", {"node": kind},
+                         (("node", m.nodes),), {"intra": dict(links), "inter": links})
+    return cluster, report
+
+
+def check_on_link(on_link: list[tuple[int, float, int]]) -> list[str]:
+    """Lines saying what each job's node-0 port counted against the ring model; a
+    ClickException when one counted less than ``MIN_ON_LINK`` of it."""
+    lines = []
+    for ranks, ring, port in on_link:
+        share = port / ring if ring else float("inf")
+        lines.append(f"  {ranks} nodes: node 0's switch port counted {port / 1e6:.1f} MB, the "
+                     f"ring model's bytes of rank 0 {ring / 1e6:.1f} MB ({share:.2f}x)")
+        if share < MIN_ON_LINK:
+            raise click.ClickException(
+                f"the collectives over {ranks} nodes did not cross the shaped link: node 0's "
+                f"port counted {port / 1e6:.1f} MB of the {ring / 1e6:.1f} MB rank 0 sent "
+                f"(less than {MIN_ON_LINK:.0%}); is UCX_TLS=tcp reaching the ranks?")
+    return lines
+
+
+def note(nodes: int, link: str, cores: int) -> str:
+    share = min(1.0, cores / nodes)
+    return (f"# {nodes} emulated one-core nodes at {link} on a machine of {cores} cores: a "
+            f"node has about\n# {share:.2g} of a core while every node computes (the GEMM "
+            f"and stream rates were measured\n# with all {nodes} nodes at once, one rank "
+            f"and one BLAS thread each, sustained over 0.2 s samples)\n")
+
+
+INTRA_NOTE = ("# intra: one rank a node, so nothing stays inside a node; these are the "
+              "inter-node fits copied\n")
+
+
+def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
+            timeout: float) -> Measured:
+    """Bring the cluster up, run the jobs, take it down (root)."""
+    from hpctrain.cluster import lifecycle, net
+    from hpctrain.cluster import spec as spec_mod
+
+    spec = spec_mod.uniform(nodes, cores=1, link=link, name=NAME, subnet=SUBNET)
+    gemm, stream, samples, on_link = {}, [], [], []
+    with lifecycle.running(spec, log=lambda text: click.echo(text, err=True)) as c:
+        def command(ranks, argv):
+            return c.mpiexec_command(argv, ranks_per_node=1, ranks=ranks, mpiexec=mpiexec)
+
+        node0 = spec.nodes[0]
+        for ranks in sorted({nodes, 2}, reverse=True):
+            first = ranks == nodes
+            click.echo(f"== {ranks} node(s), one rank each: "
+                       + ("GEMM, stream and collectives" if first else "collectives"), err=True)
+            t0 = time.perf_counter()
+            before = net.link_bytes(spec, node0)[0]
+            result = cal.run_worker(mpiexec, ranks, 1, settings.sizes if first else (),
+                                    settings.messages,
+                                    (settings.gemm_repeats, settings.comm_repeats), timeout,
+                                    stream=first, sustained=True, command=command)
+            on_link.append((ranks, result["sent_bytes"],
+                            net.link_bytes(spec, node0)[0] - before))
+            if first:
+                gemm = {int(n): r for n, r in result["gemm"].items()}
+                stream = result["stream"]
+            samples += [cal.Sample(**s) for s in result["samples"]]
+            click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
+    return Measured(nodes, link, gemm, stream, samples, on_link, cal.memory_gib() * 2**30)
+
+
+def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec: str,
+              timeout: float, quick: bool, command_line: str) -> None:
+    """The ``--emulated`` path of ``hpctrain calibrate``: measure, check, fit, write."""
+    from hpctrain.cluster.system import ClusterError
+
+    try:
+        nodes, link = parse(spec_text)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--emulated") from None
+    cores = cal.core_count()
+    settings = cal.Settings(1, (1,), sizes or (cal.QUICK_SIZES if quick else cal.DEFAULT_SIZES),
+                            messages or (QUICK_MESSAGES if quick else DEFAULT_MESSAGES),
+                            repeats or (2 if quick else 3), repeats or (2 if quick else 7))
+    load = Path("/proc/loadavg").read_text().strip()
+    click.echo(f"calibrating {nodes} emulated one-core nodes at {link} on {cores} cores; "
+               f"load {load}", err=True)
+    try:
+        m = measure(nodes, link, settings, mpiexec, timeout)
+    except ClusterError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo("\ntraffic between nodes, on the link:")
+    click.echo("\n".join(check_on_link(m.on_link)))
+    try:
+        cluster, report = describe(m, name)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo("\ncollectives between nodes, measured against fitted:")
+    click.echo("\n".join(report))
+    how = (f"{nodes} one-core nodes at {link}, one rank each; GEMM n "
+           f"{','.join(map(str, settings.sizes))}, best of {settings.gemm_repeats}; "
+           f"collectives over p = {','.join(map(str, sorted({2, nodes})))} nodes, "
+           f"{cal._bytes(settings.messages[0])} to {cal._bytes(settings.messages[-1])}, "
+           f"median of {settings.comm_repeats}")
+    text = cal.header(command_line, how, load) + note(nodes, link, cores)
+    text += cl.to_toml(cluster).replace("[links.intra]", INTRA_NOTE + "[links.intra]")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text.rstrip("\n") + "\n")
+    try:
+        back = cl.load_cluster(out)
+    except cl.ClusterError as err:
+        raise click.ClickException(f"{out} was written but does not read back: {err}") from None
+    kind = back.kinds["node"]
+    click.echo(f"\nGEMM, GFLOP/s per node with all {nodes} computing: "
+               + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in kind.gemm[1])
+               + f"; stream {kind.stream[1] / 1e9:.1f} GB/s")
+    click.echo(f"wrote {out} (read back: {back.num_nodes} nodes of 1 core, "
+               f"{kind.memory_bytes / 2**30:.1f} GiB each)")

@@ -1,0 +1,105 @@
+"""The description of an emulated cluster (``hpctrain.plan.emulated``) from synthetic
+measurements, the link check, and the cost model on one-core nodes: every group of
+two or more ranks crosses the inter-node link."""
+
+import click
+import pytest
+
+from hpctrain import config
+from hpctrain.plan import cluster as cl
+from hpctrain.plan import cost, emulated
+from hpctrain.plan.calibrate import Sample
+
+TINY = dict(kind="gpt", n_layer=2, d_model=16, n_head=4, seq_len=8, vocab_size=32)
+
+
+@pytest.mark.parametrize("text, want", [("2:1gbit", (2, "1gbit")), ("4:100mbit", (4, "100mbit")),
+                                        (" 3 :1gbit", (3, "1gbit"))])
+def test_nodes_and_link_are_parsed(text, want):
+    assert emulated.parse(text) == want
+
+
+@pytest.mark.parametrize("text, message", [
+    ("2", "must be NODES:LINK"), ("two:1gbit", "must be NODES:LINK"),
+    ("1:1gbit", "nodes (1) must be between 2 and 16"),
+    ("2:fast", "link ('fast') must be a positive rate")])
+def test_bad_nodes_and_links_are_refused_by_name(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        emulated.parse(text)
+
+
+def measured(nodes=4):
+    """Exact ring-model times of a 1 ms, 100 MB/s link over p = 2 and 4."""
+    link = cl.Link(1e-3, 1e8)
+    samples = [Sample(op, 2 if op == "p2p" else p, n, link.time(op, 2 if op == "p2p" else p, n))
+               for op in cl.OPS for p in (2, nodes) for n in (1 << 10, 1 << 16, 1 << 20)]
+    return emulated.Measured(nodes, "1gbit", {64: [1e10, 3e10, 2e10, 5e10], 512: [4e10] * 4},
+                             [1e9, 4e9, 2e9, 3e9], samples, [(4, 1e6, 1_100_000)], 8 * 2**30)
+
+
+def test_the_description_has_one_core_nodes_and_the_fitted_inter_links():
+    c, report = emulated.describe(measured())
+    kind = c.kinds["node"]
+    assert (kind.cores, c.num_nodes, c.name) == (1, 4, "emulated-4x1gbit")
+    assert kind.memory_bytes == 2 * 2**30  # the machine's 8 GiB over 4 nodes
+    assert kind.gemm == {1: ((64, 2.5e10), (512, 4e10))}  # the median rank of each n
+    assert kind.stream == {1: 2.5e9}
+    for op in cl.OPS:
+        line = c.links["inter"][op]
+        assert line.latency_s == pytest.approx(1e-3) and line.bandwidth_Bps == pytest.approx(1e8)
+        assert c.links["intra"][op] == line
+    assert len(report) == 4 + len(measured().samples)  # a head line per op, a line per sample
+    back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c)))
+    assert back.kinds["node"].gemm == kind.gemm and back.nodes == (("node", 4),)
+
+
+def test_traffic_that_missed_the_link_is_an_error():
+    lines = emulated.check_on_link([(2, 1e6, 1_040_000), (4, 2e6, 1_800_000)])
+    assert "1.04x" in lines[0] and "0.90x" in lines[1]
+    with pytest.raises(click.ClickException, match="did not cross the shaped link"):
+        emulated.check_on_link([(2, 1e6, 1_040_000), (4, 2e6, 1_000_000)])
+
+
+def one_core_nodes(nodes, inter_bandwidth=1.0, intra_bandwidth=1e12):
+    """``nodes`` one-core nodes: the inter link 1 B/s, no latency (times are bytes)."""
+    kind = {"name": "node", "cores": 1, "memory_gib": 4.0,
+            "gemm": {"1": [[64, 1e10], [2048, 5e10]]}, "stream": {"1": 5e9}}
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+    links = {lvl: dict.fromkeys(ops, {"latency_s": 0.0, "bandwidth_Bps": bw})
+             for lvl, bw in (("intra", intra_bandwidth), ("inter", inter_bandwidth))}
+    return cl.from_dict({"kinds": [kind], "nodes": [{"kind": "node", "count": nodes}],
+                         "links": links})
+
+
+def make(world, **parallel):
+    return config.from_dict({"model": TINY, "parallel": parallel,
+                             "train": {"batch_size": 4}}).validate(world)
+
+
+def test_tensor_parallel_across_one_core_nodes_is_priced_on_the_inter_link():
+    # b = 4 sequences of T = 8, C = 16, float32: a 2 KiB activation; per step 2 all-reduces
+    # a block forward and 2 backward, 1 at the embedding and 1 at the head: 4 L + 2 = 10
+    e = cost.estimate(make(2, tp=2), one_core_nodes(2))
+    activation = 4 * 4 * 8 * 16
+    assert e.ranks_per_node == 1
+    assert e.ranks[0].time["tp"] == pytest.approx(10 * activation)  # 2 (p-1)/p = 1 at p = 2
+
+
+def test_data_and_pipeline_groups_of_one_core_nodes_cross_the_link():
+    # tp2 x dp2 on 4 nodes: the gradient ring over the data group is inter-node; pp2 x dp2:
+    # the stage-to-stage message is too (b = 2 sequences: 1 KiB)
+    e = cost.estimate(make(4, tp=2, dp=2, bucket_mb=64.0), one_core_nodes(4))
+    grads = e.ranks[0].memory.grads
+    assert e.ranks[0].time["dp"] == pytest.approx(grads)  # 2 (2-1)/2 x grads at 1 B/s
+    p = cost.estimate(make(4, pp=2, dp=2, microbatches=1), one_core_nodes(4))
+    assert p.ranks[0].time["p2p"] == pytest.approx(2 * 8 * 16 * 4)
+
+
+def test_the_search_runs_on_one_core_nodes_one_rank_each():
+    from hpctrain.plan.search import _scope, enumerate_layouts
+
+    cfg = make(1)
+    c, world = _scope(one_core_nodes(4, inter_bandwidth=1e8), None, 4)
+    assert world == 4
+    found = enumerate_layouts(cfg, c, world)
+    assert found.ranked and all(e.ranks_per_node == 1 for e in found.ranked)
