@@ -28,6 +28,7 @@ OVERRIDES = {
     "microbatches": "parallel.microbatches",
     "schedule": "parallel.schedule",
     "virtual_stages": "parallel.virtual_stages",
+    "pipeline_training": "parallel.pipeline_training",
     "sequence_parallel": "parallel.sequence_parallel",
     "zero": "parallel.zero",
     "bucket_mb": "parallel.bucket_mb",
@@ -89,6 +90,10 @@ def _int_list(value: str, name: str) -> list[int]:
               help="Pipeline schedule.")
 @click.option("--virtual-stages", type=int,
               help="Model chunks per pipeline rank (interleaved schedule).")
+@click.option("--pipeline-training", type=click.Choice(["backprop", "local"]),
+              help="How pipeline stages learn (pp > 1): backprop end to end (--schedule), or "
+                   "local, each stage on its own auxiliary head's loss, activations sent "
+                   "forward only.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Shard LayerNorm and residual activations along the sequence (tp > 1).")
 @click.option("--zero", type=int,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PIPELINE_TRAINING = ("backprop", "local")  # hpctrain.parallel.local_loss: "local"
 DTYPES = ("float32", "float64")
 OPTIMIZERS = ("adamw", "sgd")
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adam")  # embedding tables (hpctrain.optim.sparse)
@@ -104,6 +105,9 @@ class ParallelConfig:
     microbatches: int = 1  # per optimizer step, per data-parallel rank
     schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved only)
+    # "backprop": end to end through the stages (schedule); "local": each stage trains
+    # on its own auxiliary head's loss, activations go forward only (parallel/local_loss.py)
+    pipeline_training: str = "backprop"
     balance: str = "layers"  # split stages by "layers" or by "params"
     sequence_parallel: bool = False
     zero: int = 0  # 0: plain data parallel, 1: shard optimizer state, 2: and gradients
@@ -322,11 +326,27 @@ def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
         _require(cls.spatial_axes(m) is not None,
                  f"the {cls.name} declares no spatial split: sp ({par.sp}) must be 1")
         cls.check_spatial(m, par.sp)
+    _check_local_loss(cls, m, par)
     if par.pp > 1:
         chunks = par.pp * par.virtual_stages
         _require(chunks <= len(costs.middle),
                  f"pp * virtual_stages ({par.pp} * {par.virtual_stages} = {chunks}) must not "
                  f"exceed the {len(costs.middle)} middle pipeline pieces of the {cls.name}")
+
+
+def _check_local_loss(cls: Any, m: ModelConfig, par: ParallelConfig) -> None:
+    """Local-loss pipeline training: stages to train, heads to train them with."""
+    _require_choice("pipeline_training", par.pipeline_training, PIPELINE_TRAINING)
+    if par.pipeline_training != "local":
+        return
+    _require(par.pp > 1, f"pipeline_training 'local' trains each pipeline stage on a loss "
+                         f"of its own: it needs pp > 1 (pp is {par.pp})")
+    _require(cls.has_aux_heads(m),
+             f"the {cls.name} declares no auxiliary heads: pipeline_training 'local' needs "
+             f"one per stage (use 'backprop')")
+    _require(par.virtual_stages == 1 and par.tp == 1,
+             f"pipeline_training 'local' runs one whole chunk per rank: virtual_stages "
+             f"({par.virtual_stages}) and tp ({par.tp}) must be 1")
 
 
 def _check_model_keys(m: ModelConfig, known: tuple[str, ...], name: str) -> None:

@@ -112,7 +112,9 @@ def test_model_flops_are_the_models_declaration():
     (replace(TOY, hidden=(3,)), {}, 1, r"\['hidden'\] are not read by model kind 'toy'"),
     (TOY, {"tp": 2, "sequence_parallel": True}, 2,
      r"the toy residual MLP declares no tensor-parallel plan: tp \(2\) must be 1"),
-    (ModelConfig(kind="mlp"), {"pp": 2}, 2, r"MLP classifier supports data parallelism only"),
+    (ModelConfig(kind="cnn"), {"pp": 2}, 2, r"CNN classifier supports data parallelism only"),
+    (ModelConfig(kind="mlp"), {"pp": 2}, 2,
+     r"\(2 \* 1 = 2\) must not exceed the 1 middle pipeline pieces of the MLP classifier"),
     (TOY, {"pp": 2, "virtual_stages": 4, "schedule": "interleaved", "microbatches": 2}, 2,
      r"\(2 \* 4 = 8\) must not exceed the 4 middle pipeline pieces of the toy"),
 ])

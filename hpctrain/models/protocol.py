@@ -40,6 +40,19 @@ Optional, each one a layout or a feature (the defaults here decline it):
     check_spatial(m, sp)             raise ConfigError if sp slabs do not fit (a size
                                      sp does not divide, a slab thinner than a halo)
     split_space(space)               take a ``Space``: this rank's slab of each sample
+    has_aux_heads(m)                 whether it declares auxiliary heads (below)
+    aux_head(k, seed)                the auxiliary head reading the activation middle
+                                     piece k outputs: forward(act, targets) -> (loss,
+                                     cache), backward(dloss, cache) -> dact, like the
+                                     last piece; weights from ``aux_rng(seed, k)``
+
+Local-loss pipeline training (``hpctrain.parallel.local_loss``, ``[parallel]
+pipeline_training = "local"``). Every stage but the last ends with an auxiliary head
+and trains on its own cross-entropy; the last stage trains on the model's loss. The
+head after middle piece k draws its weights from ``aux_rng(seed, k)``, a stream apart
+from the model's: the model's weights are those of backprop training, and a head is
+the same whatever the layout that uses it. Heads are parameters like any other
+(``aux_heads.<k>.*`` in checkpoints).
 
 Spatial parallelism (``hpctrain.parallel.spatial_engine``). The engine swaps every
 convolution and pooling layer for its slab form and hands the model a ``Space``; the
@@ -71,6 +84,14 @@ P = TypeVar("P")
 
 def _whole(a: np.ndarray, *_: Any) -> np.ndarray:
     return a
+
+
+AUX_STREAM = 0xA0C5  # aux_rng's second seed word: apart from every rng(seed) of a model
+
+
+def aux_rng(seed: int, k: int) -> np.random.Generator:
+    """The generator of the auxiliary head after middle piece ``k`` (local losses)."""
+    return np.random.default_rng([seed, AUX_STREAM, k])
 
 
 @dataclass(frozen=True)
@@ -187,3 +208,10 @@ class Model(Module):
 
     def split_space(self, space: Space) -> None:
         raise NotImplementedError(f"the {self.name} cannot be split in space")
+
+    @classmethod
+    def has_aux_heads(cls, m: Any) -> bool:
+        return False  # no local losses: pipeline_training must be "backprop"
+
+    def aux_head(self, k: int, seed: int) -> Module:
+        raise NotImplementedError(f"the {self.name} declares no auxiliary heads")

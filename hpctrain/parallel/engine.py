@@ -10,7 +10,9 @@ no model: it reads what the model declares (``hpctrain.models.protocol``):
 2. tensor parallelism (``tp > 1``) swaps sharded layers in, following the plan the
    model declares as data (``Model.tensor_plan``, ``hpctrain.parallel.tensor``);
 3. pipeline parallelism (``pp > 1``) keeps only this rank's stage(s) of the model's
-   pipeline pieces and runs a schedule of microbatches (``hpctrain.parallel.pipeline``);
+   pipeline pieces and runs a schedule of microbatches (``hpctrain.parallel.pipeline``),
+   or, with ``pipeline_training = "local"``, trains each stage on its own auxiliary
+   head's loss (``hpctrain.parallel.local_loss``);
 4. spatial parallelism (``sp > 1``) puts the model's window layers on slabs of each
    sample and sums the ranks' shares (``hpctrain.parallel.spatial_engine``);
 5. data parallelism is applied by the training loop around whatever engine results;
@@ -46,12 +48,16 @@ from typing import Any
 
 from hpctrain.models.build import build_model
 from hpctrain.parallel.local import LocalEngine
+from hpctrain.parallel.local_loss import LocalLossEngine
 from hpctrain.parallel.pipeline import PipelineEngine
 from hpctrain.parallel.spatial import batchnorm_reduce
 from hpctrain.parallel.spatial_engine import SpatialEngine, apply_spatial
 from hpctrain.parallel.tensor import TensorParallelEngine, apply_tensor_parallel
 
 __all__ = ["LocalEngine", "build_engine"]
+
+# [parallel] pipeline_training -> the engine of a pipeline stage
+PIPELINE_ENGINES = {"backprop": PipelineEngine, "local": LocalLossEngine}
 
 
 def build_engine(cfg: Any, topo: Any):
@@ -66,7 +72,7 @@ def build_engine(cfg: Any, topo: Any):
     if topo.tp_size > 1:
         model = apply_tensor_parallel(model, cfg, topo.tp_comm)
     if topo.pp_size > 1:
-        return PipelineEngine(model, cfg, topo)
+        return PIPELINE_ENGINES[cfg.parallel.pipeline_training](model, cfg, topo)
     if topo.tp_size > 1:
         return TensorParallelEngine(model, cfg, topo)
     return LocalEngine(model, cfg.parallel.microbatches)

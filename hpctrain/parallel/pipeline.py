@@ -285,6 +285,8 @@ class PipelineEngine:
         self.named_params = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
         self.params = [p for _, p in self.named_params]
         self.tied = _tied_parameters(model) if self.pp_size > 1 else []
+        # whether the last piece gives evaluation figures (the same on every stage)
+        self._has_metrics = hasattr(model.pipeline_pieces().last, "eval_metrics")
         self._norm_params = self._counted_once(topo)
         # the data-parallel wrapper's hook: a chunk's gradients are final after its
         # last backward, except the tied table's, which waits for the other stage's
@@ -339,8 +341,29 @@ class PipelineEngine:
         return self._finish()
 
     def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
-        """None beyond the loss: no stage holds the whole model's output."""
-        return {}
+        """The figures the model's last piece gives (``eval_metrics(act, targets)``, the
+        MLP's accuracy) over x, y as one microbatch, on every stage; none if it gives
+        none or the rank holds several chunks. Collective over ``pp_comm`` (p2p
+        forward, one bcast of the small dict from the last stage)."""
+        if self.virtual_stages != 1 or not self._has_metrics:
+            return {}
+        chunk, p2p = self.stage.parts[0], self.p2p
+        k = self.stage.chunk_index(0)
+        b, t = x.shape[:2]
+        inp = p2p.recv_forward(self.stage.activation_shape((b, t)), k, 0)
+        act = x if inp is None else inp
+        for piece in chunk.parts[:-1] if chunk.last is not None else chunk.parts:
+            act = piece.forward(act)[0]
+        figures = None
+        if chunk.last is None:
+            p2p.send_forward(act, k, 0)
+            p2p.wait_sends()
+        elif hasattr(chunk.last, "eval_metrics"):
+            figures = chunk.last.eval_metrics(act, y)
+        p2p.release(inp)
+        if self.pp_size == 1:
+            return figures or {}
+        return self.pp_comm.bcast(figures, root=self.pp_size - 1) or {}
 
     def _check_batch(self, x: np.ndarray, m: int) -> int:
         if x.ndim != 2 or len(x) % m:

@@ -26,7 +26,7 @@ import numpy as np
 
 from hpctrain.config import ConfigError, ModelConfig
 from hpctrain.data.format import TOKENS
-from hpctrain.models.protocol import Model, Pieces, TensorPlan
+from hpctrain.models.protocol import Model, Pieces, TensorPlan, aux_rng
 from hpctrain.nn import (
     GELU,
     AttentionCache,
@@ -364,6 +364,17 @@ class GPT(Model):
 
     def pipeline_pieces(self) -> Pieces[Module]:
         return Pieces(self.embed, self.blocks, self.head)
+
+    @classmethod
+    def has_aux_heads(cls, m: ModelConfig) -> bool:
+        return True
+
+    def aux_head(self, k: int, seed: int) -> Head:
+        """Local losses: a LayerNorm and a Linear to the vocabulary of its own (never
+        tied) on block ``k``'s output (B, T, C), next-token cross-entropy."""
+        c = self.cfg
+        return Head(c.d_model, c.vocab_size, rng=aux_rng(seed, k), dtype=np.dtype(c.dtype),
+                    std=c.init_std)
 
     @classmethod
     def activation_shape(cls, m: ModelConfig, x_shape: tuple[int, ...]) -> tuple[int, ...]:

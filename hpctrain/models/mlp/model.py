@@ -9,6 +9,11 @@ Initialisation: one ``np.random.default_rng(seed)`` consumed in layer order; hid
 weights normal(0, sqrt(2 / fan_in)) (He), output weights normal(0, sqrt(1 / fan_in)),
 biases zero. ``init_std`` (sized for the GPT's wide residual stream) is not used: with
 it the activations of a 784-input MLP would start out vanishingly small.
+
+Pipeline pieces: the first hidden layer, the other hidden layers one piece each, and
+the output layer with the loss; the activation between pieces is (B, hidden[0]), so
+pipelining needs equal hidden widths. Auxiliary heads (local losses): a Linear to the
+classes and the cross-entropy, like the output layer, drawn from ``aux_rng``.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import numpy as np
 
 from hpctrain.config import ConfigError, ModelConfig
 from hpctrain.data.format import IMAGES
-from hpctrain.models.protocol import Model
+from hpctrain.models.protocol import Model, Pieces, aux_rng
 from hpctrain.nn import (
     GELU,
     CrossEntropyCache,
     GELUCache,
     Linear,
     LinearCache,
+    Module,
     cross_entropy,
     cross_entropy_backward,
 )
@@ -44,11 +50,50 @@ class MLPCache(NamedTuple):
         return self.ce.logits
 
 
+class MLPLayer(Module):
+    """One hidden layer as a pipeline piece: ``h = gelu(x @ W + b)``, (B, n_in) -> (B, n_out).
+    ``need_dx`` False on the first layer, whose input is data."""
+
+    def __init__(self, linear: Linear, act: GELU, need_dx: bool = True):
+        self.linear, self.act, self.need_dx = linear, act, need_dx
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, tuple[LinearCache, GELUCache]]:
+        h, lin = self.linear.forward(x)
+        h, act = self.act.forward(h)
+        return h, (lin, act)
+
+    def backward(self, dy: np.ndarray, cache: tuple[LinearCache, GELUCache]) -> np.ndarray | None:
+        lin, act = cache
+        return self.linear.backward(self.act.backward(dy, act), lin, need_dx=self.need_dx)
+
+
+class MLPHead(Module):
+    """The output layer and the loss as a pipeline piece (and as an auxiliary head):
+    ``loss = cross_entropy(h @ W + b, targets)``, h (B, C), targets (B,)."""
+
+    def __init__(self, linear: Linear):
+        self.linear = linear
+
+    def forward(self, h: np.ndarray, targets: np.ndarray) -> tuple[float, tuple]:
+        logits, lin = self.linear.forward(h)  # (B, n_classes)
+        loss, ce = cross_entropy(logits, targets)
+        return loss, (lin, ce)
+
+    def backward(self, dloss: float, cache: tuple) -> np.ndarray:
+        lin, ce = cache
+        return self.linear.backward(cross_entropy_backward(dloss, ce), lin)  # (B, C)
+
+    def eval_metrics(self, h: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
+        """Accuracy of the classes this head predicts from h (B, C)."""
+        logits = self.linear.forward(h)[0]
+        return {"accuracy": (int((logits.argmax(axis=1) == y).sum()), len(y))}
+
+
 class MLPClassifier(Model):
     """Hidden Linear + GELU layers of widths ``cfg.hidden``, then a Linear to the classes.
 
-    Declares (``hpctrain.models.protocol``) its config rules, model FLOPs and accuracy;
-    no pipeline pieces or tensor plan: data parallelism only.
+    Declares (``hpctrain.models.protocol``) its config rules, model FLOPs and accuracy,
+    pipeline pieces (equal hidden widths) and auxiliary heads; no tensor plan.
     """
 
     name = "MLP classifier"
@@ -115,6 +160,10 @@ class MLPClassifier(Model):
                               f"({m.n_classes}) >= 2")
         if not all(h >= 1 for h in m.hidden):
             raise ConfigError(f"hidden sizes ({list(m.hidden)}) must be positive")
+        if par.pp > 1 and len(set(m.hidden)) > 1:
+            raise ConfigError(f"pipelining the MLP (pp {par.pp}) needs equal hidden widths "
+                              f"(hidden is {list(m.hidden)}): one activation shape runs "
+                              f"between stages")
 
     @classmethod
     def model_flops(cls, m: ModelConfig, samples: int) -> float:
@@ -125,3 +174,31 @@ class MLPClassifier(Model):
     def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
         """Accuracy: (correct predictions, samples) of x (B, input_dim), y (B,)."""
         return {"accuracy": (int((self.predict(x) == y).sum()), len(y))}
+
+    @classmethod
+    def piece_costs(cls, m: ModelConfig) -> Pieces[float] | None:
+        """Weights per piece: the first hidden layer, the other ones, the output layer."""
+        if not m.hidden:
+            return None
+        c = m.hidden[0]
+        return Pieces(float(m.input_dim * c), [float(a * b) for a, b in pairwise(m.hidden)],
+                      float(m.hidden[-1] * m.n_classes))
+
+    def pipeline_pieces(self) -> Pieces[Module]:
+        first, *rest = self.hidden
+        return Pieces(MLPLayer(first, self.act, need_dx=False),
+                      [MLPLayer(layer, self.act) for layer in rest], MLPHead(self.out))
+
+    @classmethod
+    def activation_shape(cls, m: ModelConfig, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (x_shape[0], m.hidden[0])  # (B, input_dim) -> (B, C)
+
+    @classmethod
+    def has_aux_heads(cls, m: ModelConfig) -> bool:
+        return bool(m.hidden)
+
+    def aux_head(self, k: int, seed: int) -> MLPHead:
+        """A linear classifier on the activation middle piece ``k`` outputs (B, C)."""
+        c = self.cfg.hidden[k + 1]
+        return MLPHead(Linear(c, self.cfg.n_classes, rng=aux_rng(seed, k),
+                              dtype=np.dtype(self.cfg.dtype), std=math.sqrt(1.0 / c)))
