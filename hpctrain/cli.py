@@ -161,9 +161,14 @@ def _int_list(value: str, name: str) -> list[int]:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Write every rank's timeline of the training steps to this file: Chrome "
                    "trace JSON, one track per rank (open it in ui.perfetto.dev).")
+@click.option("--table-plan", type=click.Path(dir_okay=False),
+              help="Embedding tables: a plan file (TOML: group, default, [[tables]] name, "
+                   "sharding, ranks; hpctrain.parallel.tables) placing each table table-, "
+                   "row-, column-wise or replicated, instead of the config's [parallel] "
+                   "table_group, table_default and table_sharding.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: bool,
-          trace_path: str | None, **options) -> None:
+          trace_path: str | None, table_plan: str | None, **options) -> None:
     """Train a model on every rank of the MPI job.
 
     On SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved and the
@@ -195,7 +200,8 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
     overrides = {OVERRIDES[k]: v for k, v in options.items() if v is not None}
     with abort_on_error(comm):
         cfg = startup_check(
-            comm, lambda: config_mod.load(config_path, overrides).validate(comm.Get_size()))
+            comm, lambda: config_mod.load(config_path, {**overrides, **_plan(table_plan)})
+            .validate(comm.Get_size()))
         from hpctrain.train import train as run_training
 
         summary = run_training(cfg, comm, quiet=quiet, resume=resume,
@@ -203,6 +209,15 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
     preempt.ignore()  # the run is over, saved or finished: a late signal changes nothing
     if summary.preempted:
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
+
+
+def _plan(path: str | None) -> dict:
+    """``--table-plan``'s file as config overrides (none without one)."""
+    if path is None:
+        return {}
+    from hpctrain.parallel.tables import read_plan
+
+    return read_plan(path)
 
 
 main.add_command(bench_command)

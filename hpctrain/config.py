@@ -51,6 +51,19 @@ class TableConfig:
 
 
 @dataclass(frozen=True)
+class TableSharding:
+    """How embedding table ``name`` is placed over the table group
+    (``hpctrain.parallel.tables``): ``sharding`` "table" (whole, on one rank), "row"
+    (contiguous blocks of rows), "column" (blocks of the embedding dimension) or
+    "replicated" (on every rank); ``ranks``: the group ranks holding its shards, in
+    order (empty: the least loaded rank for "table", every group rank otherwise)."""
+
+    name: str
+    sharding: str
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     kind: str = "gpt"  # a registered model (hpctrain.models.registry): "gpt", "mlp", "cnn"
     dtype: str = "float32"  # "float32" or "float64" (gradient checks, equivalence tests)
@@ -133,6 +146,13 @@ class ParallelConfig:
     shares: str = "equal"
     batch_shares: tuple[int, ...] = ()
     remeasure_every: int = 50
+    # embedding tables (hpctrain.parallel.tables): sharded over groups of table_group
+    # data-parallel ranks (0: all of them), the groups replicated; per table
+    # (table_sharding: {name = "row", ...} or [{name, sharding, ranks}]) or table_default
+    # "table", "row", "column" or "replicated"; hpctrain train --table-plan FILE sets all
+    table_group: int = 0
+    table_default: str = "replicated"
+    table_sharding: tuple[TableSharding, ...] = ()
 
     @property
     def model_parallel_size(self) -> int:
@@ -199,6 +219,10 @@ class Config:
         _check_model(self.model, self.parallel)
         par = _resolve_dp(self.parallel, world_size)
         _check_parallel(par, world_size)
+        if par.table_sharding or par.table_default != "replicated" or par.table_group:
+            from hpctrain.parallel.tables import check_sharding  # imports this module
+
+            check_sharding(self.model, par)
         _check_train(self.train, par)
         return replace(self, parallel=par)
 
@@ -423,6 +447,8 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
         _require(isinstance(value, str), f"{where} ({value!r}) must be a string")
     elif kind == "tuple[TableConfig, ...]":
         value = tuple(_table(where, i, v) for i, v in enumerate(_list(where, value)))
+    elif kind == "tuple[TableSharding, ...]":
+        value = _table_shardings(where, value)
     elif kind == "tuple[str, ...]":
         _require(all(isinstance(v, str) for v in _list(where, value)),
                  f"{where} ({value!r}) must be a list of strings")
@@ -450,6 +476,30 @@ def _table(where: str, i: int, value: Any) -> TableConfig:
     _require(not bad, f"{where}[{i}]: unknown key(s) {bad}; known: {sorted(known)}")
     return TableConfig(**{k: _coerce(f"model.tables[{i}]", known[k], v)
                           for k, v in value.items()})
+
+
+def _table_shardings(where: str, value: Any) -> tuple[TableSharding, ...]:
+    """``{name = "row", other = {sharding = "table", ranks = [1]}}`` or a list of
+    ``{name, sharding, ranks}`` -> TableShardings, checked for form (the rules:
+    ``hpctrain.parallel.tables.check_sharding``)."""
+    if isinstance(value, dict):
+        value = [{"name": k, **(v if isinstance(v, dict) else {"sharding": v})}
+                 for k, v in value.items()]
+    out = []
+    for i, v in enumerate(_list(where, value)):
+        if isinstance(v, TableSharding):
+            out.append(v)
+            continue
+        _require(isinstance(v, dict) and set(v) <= {"name", "sharding", "ranks"}
+                 and "name" in v and "sharding" in v,
+                 f"{where}[{i}] ({v!r}) must be {{name, sharding, ranks}} (ranks optional)")
+        ranks = v.get("ranks", ())
+        _require(isinstance(v["name"], str) and isinstance(v["sharding"], str)
+                 and isinstance(ranks, (list, tuple))
+                 and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks),
+                 f"{where}[{i}] ({v!r}): name and sharding are strings, ranks integers")
+        out.append(TableSharding(v["name"], v["sharding"], tuple(ranks)))
+    return tuple(out)
 
 
 def from_dict(raw: dict[str, Any], source: str = "config") -> Config:

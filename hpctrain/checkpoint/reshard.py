@@ -75,7 +75,8 @@ class Sharding:
     ``tp_split`` None: the whole array (replicated over tp). Otherwise the shard
     ``take_shard(full, tp_split, tp_rank, tp_size, tp_blocks)``. ``flat``: only the
     elements ``[lo, hi)`` of that shard flattened in C order (a ZeRO slice), held as
-    a 1-D array.
+    a 1-D array. ``box``: instead of a tensor-parallel shard, exactly this box of the
+    global array (a sharded embedding table's rows or columns, ``parallel.tables``).
     """
 
     global_shape: tuple[int, ...]
@@ -84,9 +85,12 @@ class Sharding:
     tp_rank: int = 0
     tp_size: int = 1
     flat: tuple[int, int] | None = None
+    box: Box | None = None
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        if self.box is not None:
+            return box_shape(self.box)
         shape = list(self.global_shape)
         if self.tp_split is not None:
             n, parts = shape[self.tp_split], self.tp_blocks * self.tp_size
@@ -144,6 +148,9 @@ def _to_global(local: Box, sh: Sharding) -> list[tuple[Box, Box]]:
     """A box of the local shard -> ``(inner box relative to it, global box)`` pairs,
     cut where the split axis crosses from one of the ``tp_blocks`` parts to the next."""
     rel = full_box(box_shape(local))
+    if sh.box is not None:  # the held array is the box itself
+        return [(rel, tuple((a + b0, b + b0) for (a, b), (b0, _)
+                            in zip(local, sh.box, strict=True)))]
     if sh.tp_split is None:
         return [(rel, local)]
     ax = sh.tp_split

@@ -117,10 +117,30 @@ def read_ratings(path: str | Path) -> Ratings:
         raise DataError(f"{path}: ratings/ids has {ids.shape[1]} columns and ratings/dense "
                         f"{dense.shape[1]}; its features need {K} and {D}; re-run "
                         f"{REMEDY[RATINGS]}")
+    check_feature_ids(path, features, ids)
     if folds < 1 or (len(fold) and int(fold.max()) >= folds):
         raise DataError(f"{path}: ratings/fold holds fold {int(fold.max(initial=0))}, the file "
                         f"records {folds} folds; re-run {REMEDY[RATINGS]}")
     return Ratings(path, features, dense_names, folds, fold, ids, dense, rating)
+
+
+def check_feature_ids(path: Path, features: tuple[Feature, ...], ids: np.ndarray) -> None:
+    """Every id of a feature's columns in [0, rows) or -1 (an empty slot): an id beyond
+    its table is refused here, where every rank reads the file whole, before any
+    collective (a sharded table would send it to a rank holding no such row)."""
+    at = 0
+    for ft in features:
+        block = ids[:, at:at + ft.width]
+        at += ft.width
+        if block.size == 0:
+            continue
+        lo, hi = int(block.min()), int(block.max())
+        if lo < -1 or hi >= ft.rows:
+            bad = block[(block < -1) | (block >= ft.rows)]
+            raise DataError(f"{path}: feature {ft.name!r} (table of {ft.rows} rows): ids "
+                            f"must lie in [0, {ft.rows}) or be -1 (an empty slot); the file "
+                            f"holds {bad.size} outside, e.g. {sorted(set(bad.tolist()))[:5]} "
+                            f"(smallest {lo}, largest {hi}); re-run {REMEDY[RATINGS]}")
 
 
 def fold_rows(r: Ratings, fold: int, split: str) -> np.ndarray:

@@ -17,8 +17,9 @@ gradient up to the order of the sums. Then the norm, clipping and both optimizer
 rank. Only ZeRO stage 0 and synchronous averaging: a model with tables refuses the
 others in its ``check_config``.
 
-Tables sharded over ranks (row-, column- or table-wise) are an engine of their own;
-this module only replicates them.
+Tables sharded over ranks (row-, column- or table-wise, ``[parallel] table_sharding``)
+are ``tables.py``'s: ``make_sparse_data_parallel`` hands such a config to it, which
+keeps this wrapper for the dense layers and the replicated tables.
 """
 
 from __future__ import annotations
@@ -146,20 +147,26 @@ def make_sparse_data_parallel(cfg: Any, engine: Any, topo: Any) -> SparseDataPar
     ``[train] optimizer`` for the dense parameters, ``sparse_optimizer`` for the tables
     (``hpctrain.optim.sparse``)."""
     t, par = cfg.train, cfg.parallel
-    dense = [(n, p) for n, p in engine.named_params if not is_sparse(p)]
-    tables = [(n, p) for n, p in engine.named_params if is_sparse(p)]
-    dense_opt = None
-    if dense:
-        dense_opt = (AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                           weight_decay=t.weight_decay) if t.optimizer == "adamw"
-                     else SGD(dense, lr=t.lr, momentum=t.momentum,
-                              weight_decay=t.weight_decay))
-    optimizer = TablesAndDense(dense_opt, make_sparse_optimizer(t, tables),
-                               (t.sparse_lr or t.lr) / t.lr)
+
+    def make_dense(dense):
+        if not dense:
+            return None
+        return (AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                      weight_decay=t.weight_decay) if t.optimizer == "adamw"
+                else SGD(dense, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay))
+
     launch = None
     if par.dp_reduce == "hierarchical":
         from hpctrain.parallel.hierarchy import hierarchical_launcher
 
         launch = hierarchical_launcher(topo)
+    if getattr(topo, "table_comm", None) is not None:  # some table sharded
+        from hpctrain.parallel.tables import make_sharded_data_parallel
+
+        return make_sharded_data_parallel(cfg, engine, topo, make_dense, launch)
+    dense = [(n, p) for n, p in engine.named_params if not is_sparse(p)]
+    tables = [(n, p) for n, p in engine.named_params if is_sparse(p)]
+    optimizer = TablesAndDense(make_dense(dense), make_sparse_optimizer(t, tables),
+                               (t.sparse_lr or t.lr) / t.lr)
     return SparseDataParallel(engine, optimizer, topo.dp_comm, bucket_mb=par.bucket_mb,
                               launch=launch)

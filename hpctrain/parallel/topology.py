@@ -61,9 +61,29 @@ statistics. 8 ranks with dp = 2, sp = 4 (``GridShape(dp=2, tp=4, pp=1)``)::
       6  |  1  2 |   [4..7]        [2, 6]      [0..7]
       7  |  1  3 |   [4..7]        [3, 7]      [0..7]
 
-The arithmetic (``coords``, ``rank_of``, ``group_ranks``, ``group_by_node``) is pure
-and tested without MPI. ``Topology.build`` is the one place where communicators are
-created; everything else receives the communicator it uses as an argument.
+Embedding tables (``parallel/tables.py``) are sharded over a *table group* of
+``table_group`` consecutive members of the data group and replicated across the groups
+(two-dimensional sparse parallelism): ``table_comm`` joins one group (the all-to-alls
+of lookups and gradients), ``table_replica_comm`` the members at the same place in
+every group (the sum of a shard's gradient over the replicas). The dense layers stay
+data parallel over the whole data group. 8 ranks, dp = 8, table_group = 4
+(``table_groups``)::
+
+    rank | group place | table group  replica group
+    -----+-------------+---------------------------
+      0  |   0     0   |   [0..3]        [0, 4]
+      1  |   0     1   |   [0..3]        [1, 5]
+      2  |   0     2   |   [0..3]        [2, 6]
+      3  |   0     3   |   [0..3]        [3, 7]
+      4  |   1     0   |   [4..7]        [0, 4]
+      5  |   1     1   |   [4..7]        [1, 5]
+      6  |   1     2   |   [4..7]        [2, 6]
+      7  |   1     3   |   [4..7]        [3, 7]
+
+The arithmetic (``coords``, ``rank_of``, ``group_ranks``, ``group_by_node``,
+``table_groups``) is pure and tested without MPI. ``Topology.build`` is the one place
+where communicators are created; everything else receives the communicator it uses as
+an argument.
 """
 
 from __future__ import annotations
@@ -152,6 +172,16 @@ def group_by_node(node_ids: list[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted((tuple(m) for m in members.values()), key=lambda m: m[0]))
 
 
+def table_groups(dp_size: int, group: int, dp_rank: int) -> tuple[list[int], list[int]]:
+    """The data-group ranks of ``dp_rank``'s table group and of its replica group
+    (the module docstring's table): groups of ``group`` consecutive dp ranks."""
+    if not (1 <= group <= dp_size and dp_size % group == 0):
+        raise ValueError(f"table_group ({group}) must divide dp ({dp_size})")
+    first, place = dp_rank - dp_rank % group, dp_rank % group
+    return (list(range(first, first + group)),
+            list(range(place, dp_size, group)))
+
+
 @dataclass
 class Topology:
     """This rank's place in the grid and the communicators of its groups.
@@ -168,6 +198,8 @@ class Topology:
     duplicate of the world for the checkpoint writer's background thread, whose
     collectives must never meet the training's (``checkpoint.background``).
     ``watch_comm``: another duplicate, for the stall watchdog's thread (``watchdog``).
+    ``table_comm`` and ``table_replica_comm``: the table group and the replica group of
+    sharded embedding tables (``table_groups``; None when no table is sharded).
     """
 
     shape: GridShape
@@ -187,6 +219,8 @@ class Topology:
     watch_comm: Any = None
     spatial: bool = False  # the inner axis splits samples in space (sp), not weights (tp)
     batch_comm: Any = None  # the data group times the spatial group (dp_comm when sp = 1)
+    table_comm: Any = None  # sharded embedding tables: one table group (parallel/tables.py)
+    table_replica_comm: Any = None  # the same place in every table group
 
     @classmethod
     def build(cls, comm: Any, parallel: Any, node_key: int | None = None) -> Topology:
@@ -220,10 +254,16 @@ class Topology:
         spatial = sp > 1
         batch_comm = (comm.Split(color=c.pp, key=c.dp * shape.tp + c.tp) if spatial
                       else dp_comm)
+        table_comm = table_replica_comm = None
+        group = _table_group(parallel, shape.dp)
+        if group:  # some table is sharded: its group and replicas, within the data group
+            table_comm = dp_comm.Split(color=c.dp // group, key=c.dp % group)
+            table_replica_comm = dp_comm.Split(color=c.dp % group, key=c.dp // group)
         return cls(shape, rank, comm, tp_comm, dp_comm, pp_comm, model_comm, node_comm,
                    dp_node_comm, dp_node_comm.Dup(), dp_leader_comm, nodes, dp_nodes,
                    comm.Dup(), watch_comm=comm.Dup(), spatial=spatial,
-                   batch_comm=batch_comm)
+                   batch_comm=batch_comm, table_comm=table_comm,
+                   table_replica_comm=table_replica_comm)
 
     @property
     def coords(self) -> Coords:
@@ -291,9 +331,18 @@ class Topology:
         for comm in (self.tp_comm, self.dp_comm, self.pp_comm, self.model_comm,
                      self.node_comm, self.dp_node_comm, self.dp_node_bcast_comm,
                      self.dp_leader_comm, self.ckpt_comm, self.watch_comm,
-                     self.batch_comm if self.spatial else None):
+                     self.batch_comm if self.spatial else None, self.table_comm,
+                     self.table_replica_comm):
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
+
+
+def _table_group(parallel: Any, dp_size: int) -> int:
+    """The table group's size when a table is sharded (``[parallel] table_sharding`` or
+    ``table_default`` other than replicated), else 0."""
+    sharded = getattr(parallel, "table_default", "replicated") != "replicated" or any(
+        s.sharding != "replicated" for s in getattr(parallel, "table_sharding", ()))
+    return (getattr(parallel, "table_group", 0) or dp_size) if sharded else 0
 
 
 def split_node(comm: Any, node_key: int | None = None) -> Any:

@@ -1,0 +1,175 @@
+"""Per-rank step time of each sharding of the DLRM's tables (``parallel.tables``).
+
+    mpiexec -n 2 python benchmarks/bench_tables.py [--batch 1024] [--steps 10]
+    mpiexec -n 4 python benchmarks/bench_tables.py
+
+The MovieLens tables (configs/dlrm-movielens.toml: user, item, five small side
+features, the genres bag of 6 averaged) and a 10-million-row hashed table, dim 16,
+float32, row-wise AdaGrad for the tables and AdamW for the MLPs, ``--batch`` samples
+per rank (ids drawn uniformly; the hashed column over its whole range). Each sharding
+in turn, every table placed so (``row``: but a table of fewer rows than ranks
+replicated; ``mixed``: the hashed table row-wise, user and item
+table-wise, the rest replicated); ``--steps`` timed steps after two warm ones. Printed
+per rank, medians over the steps, so a planner can be fitted to them:
+
+    fwd / bwd ms     forward and backward of the model, lookups and all-to-alls included
+    a2a fwd / bwd    of which in the all-to-alls (ids out and pooled back; gradients)
+    sync ms          the dense all-reduce, the replicated tables' gather and the shards'
+                     sum over replicas
+    update ms        norm, clipping and both optimizers
+    rows             ids this rank pooled as an owner of sharded tables (forward)
+    sent / recv KB   all-to-all bytes of one step (forward and backward)
+
+with the load average before and after (compare shardings only within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+import hpctrain  # noqa: F401  (before NumPy: OpenBLAS's idle threads sleep)
+from hpctrain.config import (
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    TableConfig,
+    TableSharding,
+    TrainConfig,
+)
+
+MOVIELENS = (("user", 943, 1), ("item", 1682, 1), ("age_bucket", 7, 1), ("gender", 2, 1),
+             ("occupation", 21, 1), ("zip_prefix", 11, 1), ("decade", 9, 1),
+             ("genres", 19, 6))
+HASHED = 10_000_000
+SHARDINGS = {
+    "replicated": dict(table_default="replicated"),
+    "table": dict(table_default="table"),
+    "row": dict(table_default="row"),
+    "column": dict(table_default="column"),
+    "mixed": dict(table_sharding=(TableSharding("hashed", "row"),
+                                  TableSharding("user", "table"),
+                                  TableSharding("item", "table"))),
+}
+
+
+def config(size: int, batch: int, dim: int, sharding: str) -> Config:
+    tables = tuple(TableConfig(n, r, w, "mean" if w > 1 else "sum")
+                   for n, r, w in (*MOVIELENS, ("hashed", HASHED, 1)))
+    model = ModelConfig(kind="dlrm", dtype="float32", tables=tables, embed_dim=dim,
+                        bottom_mlp=(16, dim), top_mlp=(64, 32),
+                        dense_features=("age", "year"), bias_features=("user", "item"),
+                        output_bias=3.5)
+    par = dict(SHARDINGS[sharding])
+    if sharding == "row":  # a table of fewer rows than ranks stays replicated
+        par["table_sharding"] = tuple(TableSharding(n, "replicated")
+                                      for n, r, _ in MOVIELENS if r < size)
+    return Config(model=model, parallel=ParallelConfig(**par),
+                  train=TrainConfig(batch_size=batch * size, lr=1e-3, sparse_lr=0.02,
+                                    grad_clip=1.0)).validate(size)
+
+
+def batches(n: int, batch: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    K = sum(w for _, _, w in MOVIELENS) + 1
+    out = []
+    for _ in range(n):
+        x = np.empty(batch, np.dtype([("dense", "<f8", (2,)), ("ids", "<i8", (K,))]))
+        x["dense"] = rng.random((batch, 2))
+        cols = [rng.integers(0, r, (batch, w)) for _, r, w in MOVIELENS]
+        bag = cols[-1]
+        bag[rng.random(bag.shape) < 0.6] = -1  # most films have 1-3 genres
+        x["ids"] = np.concatenate([*cols, rng.integers(0, HASHED, (batch, 1))], axis=1)
+        out.append((x, rng.integers(1, 6, batch).astype(np.float64)))
+    return out
+
+
+def measure(cfg: Config, comm, data, warm: int) -> dict[str, float]:
+    """Median per-step figures of this rank (see the module docstring)."""
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.parallel.topology import Topology
+    from hpctrain.train import make_data_parallel
+
+    topo = Topology.build(comm, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    stats = getattr(dp, "stats", None)
+    model = engine.model
+    rows = []
+    for i, (x, y) in enumerate(data):
+        comm.Barrier()
+        dp.zero_grad()
+        t0 = time.perf_counter()
+        loss, cache = model.forward(x, y)
+        t1 = time.perf_counter()
+        fwd = stats.take() if stats else {}
+        model.backward(cache, dloss=1.0 / dp.dp_size)
+        t2 = time.perf_counter()
+        bwd = stats.take() if stats else {}
+        dp.finish_grads()
+        t3 = time.perf_counter()
+        norm = dp.grad_norm()
+        dp.clip(cfg.train.grad_clip, norm)
+        dp.step(1e-3)
+        t4 = time.perf_counter()
+        if i >= warm:
+            rows.append({"fwd": t1 - t0, "bwd": t2 - t1, "sync": t3 - t2, "update": t4 - t3,
+                         "a2a_fwd": fwd.get("a2a_s", 0.0), "a2a_bwd": bwd.get("a2a_s", 0.0),
+                         "rows": fwd.get("lookup_rows", 0),
+                         "sent": fwd.get("a2a_sent_bytes", 0) + bwd.get("a2a_sent_bytes", 0),
+                         "recv": fwd.get("a2a_recv_bytes", 0) + bwd.get("a2a_recv_bytes", 0)})
+    held = sum(p.data.nbytes for n, p in engine.named_params if n.startswith("tables."))
+    topo.free()
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return {**out, "held_mb": held / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1024, help="samples per rank and step")
+    ap.add_argument("--dim", type=int, default=16, help="embedding width")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per sharding")
+    ap.add_argument("--sharding", choices=list(SHARDINGS), action="append",
+                    help="sharding(s) to time (default: all)")
+    args = ap.parse_args()
+    from mpi4py import MPI
+
+    from hpctrain.runtime import keep_freed_memory, set_blas_threads
+
+    keep_freed_memory()
+    set_blas_threads(1)
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    warm = 2
+    data = batches(warm + args.steps, args.batch * size, seed=0)
+    mine = [(x[rank * args.batch:(rank + 1) * args.batch],
+             y[rank * args.batch:(rank + 1) * args.batch]) for x, y in data]
+    if rank == 0:
+        print(f"{size} ranks, {args.batch} samples per rank, dim {args.dim}, float32; "
+              f"tables: MovieLens {', '.join(n for n, _, _ in MOVIELENS)} and hashed "
+              f"({HASHED:,} rows); median of {args.steps} steps; load average "
+              f"{os.getloadavg()[0]:.2f}")
+        print(f"{'sharding':<11}{'rank':>4} {'fwd ms':>7} {'a2a':>6} {'bwd ms':>7} "
+              f"{'a2a':>6} {'sync ms':>8} {'update':>7} {'step ms':>8} {'rows':>6} "
+              f"{'sent KB':>8} {'recv KB':>8} {'tables MB':>9}")
+    for name in args.sharding or list(SHARDINGS):
+        got = measure(config(size, args.batch, args.dim, name), comm, mine, warm)
+        every = comm.gather(got, root=0)
+        if rank == 0:
+            for r, g in enumerate(every):
+                step = g["fwd"] + g["bwd"] + g["sync"] + g["update"]
+                print(f"{name:<11}{r:>4} {g['fwd'] * 1e3:>7.2f} {g['a2a_fwd'] * 1e3:>6.2f} "
+                      f"{g['bwd'] * 1e3:>7.2f} {g['a2a_bwd'] * 1e3:>6.2f} "
+                      f"{g['sync'] * 1e3:>8.2f} {g['update'] * 1e3:>7.2f} "
+                      f"{step * 1e3:>8.2f} {g['rows']:>6.0f} {g['sent'] / 1e3:>8.1f} "
+                      f"{g['recv'] / 1e3:>8.1f} {g['held_mb']:>9.1f}", flush=True)
+    if rank == 0:
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
