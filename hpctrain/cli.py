@@ -14,6 +14,8 @@ from hpctrain import __version__
 from hpctrain.bench_cli import bench_command
 from hpctrain.ckpt_cli import ckpt
 from hpctrain.cluster.cli import cluster
+from hpctrain.crossval import cv_command
+from hpctrain.doctor import doctor_command
 from hpctrain.plan.calibrate import calibrate_command
 from hpctrain.plan.search import plan as plan_command
 from hpctrain.plot_cli import plot
@@ -223,6 +225,8 @@ def _plan(path: str | None) -> dict:
 main.add_command(bench_command)
 main.add_command(calibrate_command)
 main.add_command(ckpt)
+main.add_command(cv_command)
+main.add_command(doctor_command)
 main.add_command(cluster)
 main.add_command(plan_command)
 main.add_command(plot)

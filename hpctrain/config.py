@@ -96,6 +96,15 @@ class ModelConfig:
     dense_features: tuple[str, ...] = ()
     bias_features: tuple[str, ...] = ()
     output_bias: float = 0.0
+    # DLRM regularisation and evaluation: L2 on each sample's looked-up embeddings
+    # (embed_l2) and biases (bias_l2), added to the loss; predictions clipped to
+    # [rating_min, rating_max] in evaluation (equal: no clipping); fm_output adds the
+    # sum of the pairwise dot products straight to the prediction (a factorisation machine)
+    embed_l2: float = 0.0
+    bias_l2: float = 0.0
+    rating_min: float = 0.0
+    rating_max: float = 0.0
+    fm_output: bool = False
 
     @property
     def ffn_dim(self) -> int:
@@ -182,6 +191,7 @@ class TrainConfig:
     # SGD (optimizer) for the rest
     sparse_optimizer: str = "rowwise_adagrad"
     sparse_lr: float = 0.0
+    sparse_weight_decay: float = 0.0  # decoupled, on the rows a step touches
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 1234
     eval_interval: int = 50  # steps between validation passes; 0 disables
@@ -405,6 +415,8 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
     _require_choice("optimizer", t.optimizer, OPTIMIZERS)
     _require_choice("sparse_optimizer", t.sparse_optimizer, SPARSE_OPTIMIZERS)
     _require(t.sparse_lr >= 0, f"sparse_lr ({t.sparse_lr}) must not be negative (0: lr)")
+    _require(t.sparse_weight_decay >= 0, f"sparse_weight_decay ({t.sparse_weight_decay}) "
+                                         f"must not be negative")
     per_step = par.dp * par.microbatches
     _require(t.batch_size >= 1 and t.batch_size % per_step == 0,
              f"batch_size ({t.batch_size}) must be a positive multiple of dp * microbatches "

@@ -336,3 +336,90 @@ def test_model_flops_count_the_mlps_and_the_interaction():
     gemm = 2 * (2 * 6 + 6 * 4) + 2 * ((4 + 6) * 8 + 8 * 1)
     assert DLRM.model_flops(m, 10) == 3.0 * 10 * (gemm + 2 * n * n * d)
     assert dataclasses.replace(m, embed_dim=4) == m
+
+
+# ---------------------------------------------------------------------------------
+# regularisation, the factorisation-machine output, clipping
+
+
+def test_dlrm_penalties_and_fm_output_gradcheck_and_values():
+    cfg = model_cfg(embed_l2=0.3, bias_l2=0.2, fm_output=True, top_mlp=())
+    model = DLRM(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    for _, p in model.named_parameters():
+        p.data[...] += 0.1 * rng.standard_normal(p.shape)
+    x, y = batch(12)
+    loss, cache = model.forward(x, y)
+    # the loss is the MSE plus the penalties on what each sample looked up
+    plain = DLRM(dataclasses.replace(cfg, embed_l2=0.0, bias_l2=0.0), seed=3)
+    for (_, a), (_, b) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
+        a.data[...] = b.data
+    mse = plain.forward(x, y)[0]
+    e = np.stack([t.forward(x["ids"][:, model.cols[c.name]])[0]
+                  for t, c in zip(model.tables, cfg.tables, strict=True)], axis=1)  # (B, F, d)
+    b = np.concatenate([t.forward(x["ids"][:, model.cols[n]])[0]
+                        for t, n in zip(model.biases, cfg.bias_features, strict=True)], axis=1)
+    assert loss == pytest.approx(mse + 0.3 * np.sum(e * e) / 12 + 0.2 * np.sum(b * b) / 12,
+                                 rel=1e-12)
+    assert loss > mse
+    # fm_output: the prediction holds the sum of the interaction's dot products
+    h, _ = model.interaction.forward(_bottom_out(model, x), e)  # (B, d + pairs)
+    fm = DLRM(dataclasses.replace(cfg, fm_output=False), seed=3)
+    for (_, a), (_, c) in zip(fm.named_parameters(), model.named_parameters(), strict=True):
+        a.data[...] = c.data
+    dots = h[:, cfg.embed_dim:].sum(axis=1)
+    assert np.abs(dots).max() > 1e-3
+    assert np.allclose(model.predict(x) - fm.predict(x), dots, atol=1e-12)
+    model.backward(cache)
+    errors = check_parameters(lambda: model.forward(x, y)[0], model.named_parameters())
+    assert max(errors.values()) < 1e-7, errors
+
+
+def _bottom_out(model, x):
+    z = x["dense"]
+    for layer in model.bottom:
+        z = np.maximum(layer.forward(z)[0], 0.0)
+    return z
+
+
+def test_evaluation_clips_to_the_rating_range_and_leaves_out_the_penalties():
+    cfg = model_cfg(output_bias=4.8, rating_min=1.0, rating_max=5.0, embed_l2=0.5)
+    model = DLRM(cfg, seed=3)
+    model.biases[0].weight.data[...] = 1.0  # every prediction near 5.8: clipped to 5
+    x, y = batch(12)
+    raw = model.predict_cached(x)[0]
+    assert raw.max() > 5.0 and model.predict(x).max() == 5.0
+    assert np.array_equal(model.predict(x), np.clip(raw, 1.0, 5.0))
+    err = np.clip(raw, 1.0, 5.0) - y
+    assert model.eval_loss(x, y) == pytest.approx(np.mean(err * err), rel=1e-12)
+    assert model.eval_metrics(x, y)["mse"] == (pytest.approx(float(err @ err)), 12)
+    assert model.forward(x, y)[0] > model.eval_loss(x, y)  # training: unclipped, penalised
+    unclipped = DLRM(model_cfg(output_bias=4.8), seed=3)
+    unclipped.biases[0].weight.data[...] = 1.0
+    assert np.array_equal(unclipped.predict(x), raw)
+
+
+def test_regularisation_config_rules_name_the_values():
+    with pytest.raises(ConfigError, match=r"embed_l2 \(-0.1\) and bias_l2 \(0.0\) must not"):
+        DLRM.check_config(model_cfg(embed_l2=-0.1), ParallelConfig())
+    with pytest.raises(ConfigError, match=r"rating_min \(5.0\) not above rating_max \(1.0\)"):
+        DLRM.check_config(model_cfg(rating_min=5.0, rating_max=1.0), ParallelConfig())
+
+
+@pytest.mark.parametrize("optimizer", [RowWiseAdaGrad, SparseAdam])
+def test_sparse_weight_decay_shrinks_only_the_touched_rows_before_the_update(optimizer):
+    p = sparse_table()
+    q = sparse_table()
+    before = p.data.copy()
+    rows, g = np.array([1, 4]), np.ones((2, 3))
+    decayed = optimizer([("t", p)], lr=0.1, weight_decay=0.5)
+    plain = optimizer([("t", q)], lr=0.1)
+    for param, opt in ((p, decayed), (q, plain)):
+        param.grad.add(rows, g.copy())
+        opt.step()
+    untouched = [0, 2, 3, 5]
+    assert np.array_equal(p.data[untouched], before[untouched])
+    # W[r] * (1 - lr wd), then the same update as without decay (the update reads g only)
+    assert np.allclose(p.data[rows] - before[rows] * (1 - 0.1 * 0.5),
+                       q.data[rows] - before[rows], atol=1e-12)
+    assert not np.allclose(p.data[rows], q.data[rows])

@@ -5,6 +5,7 @@ of a model's features against the file's, and the refusals."""
 from __future__ import annotations
 
 import json
+import sys
 
 import h5py
 import numpy as np
@@ -17,8 +18,10 @@ from data_prep.partition import partition
 from hpctrain.config import ModelConfig
 from hpctrain.data import DataError, eval_batches, open_loader
 from hpctrain.data.contents import _check_ratings, check_fits, read_contents
-from hpctrain.data.format import RATINGS, TOKENS
+from hpctrain.data.format import RATINGS, TOKENS, sha256_array
+from hpctrain.data.ratings import read_ratings
 from hpctrain.models import registry
+from hpctrain.testing import run_mpi
 
 FEATURES = ["user", "item", "age_bucket", "gender", "occupation", "zip_prefix", "decade",
             "genres"]
@@ -302,3 +305,111 @@ def test_ratings_and_other_data_are_not_mixed(ratings_h5, tokens_h5, monkeypatch
         check_fits(read_contents(tokens_h5), ModelConfig(kind="ratings_standin"))
     with pytest.raises(DataError, match=r"holds 2 dense feature\(s\).*the model takes 1"):
         check_fits(read_contents(ratings_h5), ModelConfig(kind="ratings_standin"))
+
+
+# ---------------------------------------------------------------------------------
+# ids beyond a table
+
+
+def _set_ids(path, column: int, row: int, value: int, features=None) -> None:
+    """Write ``value`` into ratings/ids[row, column] (its checksum kept valid) and, if
+    given, the ``features`` root attribute."""
+    with h5py.File(path, "r+") as f:
+        ids = f["ratings/ids"][...]
+        ids[row, column] = value
+        f["ratings/ids"][...] = ids
+        f["ratings/ids"].attrs["sha256"] = sha256_array(ids)
+        if features is not None:
+            f.attrs["features"] = json.dumps(features)
+
+
+def test_an_id_beyond_the_files_rows_is_refused_on_read(ratings_h5):
+    features = json.loads(h5py.File(ratings_h5, "r").attrs["features"])
+    item = next(f for f in features if f["name"] == "item")
+    _set_ids(ratings_h5, 1, 7, item["rows"] + 4)  # column 1: the item
+    with pytest.raises(DataError, match=rf"feature 'item' \(table of {item['rows']} rows\): "
+                                        rf"ids must lie in \[0, {item['rows']}\).*e.g. "
+                                        rf"\[{item['rows'] + 4}\]"):
+        read_ratings(ratings_h5)
+
+
+def test_an_id_beyond_the_models_table_names_the_table_the_id_and_the_rows(ratings_h5):
+    # the file understates its item rows and holds an id beyond them: the model's table,
+    # sized from the attribute, would index past its end; the check reads the ids
+    features = json.loads(h5py.File(ratings_h5, "r").attrs["features"])
+    rows = {f["name"]: f["rows"] for f in features}
+    top = read_contents(ratings_h5).largest_ids[1]
+    assert top == int(read_ratings(ratings_h5).ids[:, 1].max())
+    for f in features:
+        if f["name"] == "item":
+            f["rows"] = top  # ids reach `top`: one row short
+    _set_ids(ratings_h5, 1, 0, top, features)
+    c = read_contents(ratings_h5)
+    sparse = [tuple(f) for f in c.features]
+    assert dict((n, r) for n, r, _ in sparse)["item"] == top <= rows["item"] - 1
+    with pytest.raises(DataError, match=rf"feature 'item' holds ids up to {top}; the "
+                                        rf"model's table 'item' has {top} rows "
+                                        rf"\(ids 0..{top - 1}\): give the table at least "
+                                        rf"{top + 1} rows"):
+        _check_ratings(c, StandIn(["age", "year"], sparse))
+    _check_ratings(c, StandIn(["age", "year"], [(n, r + 1 if n == "item" else r, w)
+                                                 for n, r, w in sparse]))
+
+
+def test_training_on_ids_beyond_a_table_is_one_line_on_every_rank(ratings_h5, tmp_path):
+    features = json.loads(h5py.File(ratings_h5, "r").attrs["features"])
+    rows = {f["name"]: f["rows"] for f in features}
+    for f in features:
+        if f["name"] == "user":
+            f["rows"] -= 1
+    _set_ids(ratings_h5, 0, 3, rows["user"] - 1, features)  # ids reach rows - 1 again
+    tables = ", ".join(f'{{name = "{f["name"]}", rows = {f["rows"]}, width = {f["width"]}}}'
+                       for f in features)
+    config = tmp_path / "dlrm.toml"
+    config.write_text(f'[model]\nkind = "dlrm"\ntables = [{tables}]\nembed_dim = 4\n'
+                      f'bottom_mlp = [4]\ntop_mlp = [4]\ndense_features = ["age", "year"]\n'
+                      f'[train]\nsteps = 2\nbatch_size = 8\neval_interval = 0\n'
+                      f'[data]\npath = "{ratings_h5}"\n')
+    result = run_mpi(2, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
+                         str(config), "--run-dir", str(tmp_path / "run")], timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count(f"feature 'user' holds ids up to {rows['user'] - 1}; the "
+                               f"model's table 'user' has {rows['user'] - 1} rows") == 1, \
+        result.stderr
+    assert "IndexError" not in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------
+# hpctrain cv
+
+
+def test_cv_trains_each_fold_and_reports_the_rmse_of_its_val_mse(ratings_h5, tmp_path):
+    from hpctrain.cli import main
+
+    features = json.loads(h5py.File(ratings_h5, "r").attrs["features"])
+    tables = ", ".join(f'{{name = "{f["name"]}", rows = {f["rows"]}, width = {f["width"]}}}'
+                       for f in features)
+    config = tmp_path / "dlrm.toml"
+    config.write_text(f'[model]\nkind = "dlrm"\ntables = [{tables}]\nembed_dim = 4\n'
+                      f'bottom_mlp = [4]\ntop_mlp = [4]\ndense_features = ["age", "year"]\n'
+                      f'rating_min = 1.0\nrating_max = 5.0\n'
+                      f'[train]\nsteps = 3\nbatch_size = 8\neval_interval = 3\n'
+                      f'[data]\npath = "{ratings_h5}"\n')
+    run_dir = tmp_path / "cv"
+    result = CliRunner().invoke(main, ["cv", "--config", str(config), "--folds", "3",
+                                       "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((run_dir / "cv.json").read_text())
+    assert report["folds"] == [0, 1, 2] and len(report["rmse"]) == 3
+    for k, rmse in enumerate(report["rmse"]):
+        records = [json.loads(line) for line in
+                   (run_dir / f"fold{k}" / "metrics.jsonl").read_text().splitlines()]
+        assert json.loads((run_dir / f"fold{k}" / "config.json").read_text()
+                          )["data"]["fold"] == k
+        assert rmse == pytest.approx(np.sqrt(records[-1]["val_mse"]))
+        assert f"fold {k}: RMSE {rmse:.4f}" in result.output
+    assert len(set(report["rmse"])) == 3  # three runs, three validation folds
+    assert report["mean"] == pytest.approx(np.mean(report["rmse"]))
+    assert f"mean RMSE {report['mean']:.4f}" in result.output
+    bad = CliRunner().invoke(main, ["cv", "--config", str(config), "--folds", "6"])
+    assert bad.exit_code == 2 and "--folds (6) must be between 1 and the 5 folds" in bad.output

@@ -11,14 +11,16 @@ writes them; a partition copies them into every shard and into its manifest):
     hpctrain.volumes  n_classes, classes, volume_shape (X, Y, Z), heldout [start, stop)
                       along Z, spacing_mm, downsample
     hpctrain.ratings  features (JSON [{"name", "rows", "width"}] in the column order of
-                      ratings/ids), dense (JSON list of names), folds
+                      ratings/ids), dense (JSON list of names), folds; the largest id
+                      of each feature is read from ratings/ids itself
 
 ``read_contents(path)`` returns them as ``Contents``; ``check_fits(contents, model)``
 raises a ``DataError`` naming both values and the fix when the model cannot take the
 data: a vocabulary smaller than the data's, a classifier with fewer classes or
 another input size, an image dataset given to a language model or the reverse, a
 segmentation model with another number of classes or a crop that does not fit the
-volume, a ratings model whose features (``feature_layout()``) are not the file's.
+volume, a ratings model whose features (``feature_layout()``) are not the file's or
+whose tables are smaller than the ids the file holds.
 Training runs it on every rank before the first step (``startup_check``), so a wrong
 pairing is one clear line instead of an ``IndexError`` deep inside the embedding.
 """
@@ -68,6 +70,7 @@ class Contents:
     features: tuple[tuple[str, int, int], ...] | None = None  # (name, rows, width)
     dense: tuple[str, ...] | None = None  # names of the dense features
     folds: int | None = None
+    largest_ids: tuple[int, ...] | None = None  # ratings: per feature, its largest id
 
 
 def _int(value) -> int | None:
@@ -90,15 +93,17 @@ def contents_of(f: h5py.File, path: Path, data_format: str) -> Contents:
     volume = a.get("volume_shape")
     if volume is None and data_format == VOLUMES and "image" in f:
         volume = f["image"].shape
-    features = dense = None
+    features = dense = largest = None
     if data_format == RATINGS and "features" in a and "dense" in a:
-        from hpctrain.data.ratings import parse_features
+        from hpctrain.data.ratings import largest_ids, parse_features
 
         parsed, dense = parse_features(path, a)
         features = tuple((f.name, f.rows, f.width) for f in parsed)
+        if "ratings/ids" in f:
+            largest = largest_ids(f["ratings/ids"][...], parsed)
     return Contents(path, data_format, _int(a.get("vocab_size")), _int(a.get("max_token")),
                     _int(a.get("n_classes")), _ints(shape), _ints(volume),
-                    _ints(a.get("heldout")), features, dense, _int(a.get("folds")))
+                    _ints(a.get("heldout")), features, dense, _int(a.get("folds")), largest)
 
 
 def read_contents(path: str | Path) -> Contents:
@@ -223,7 +228,7 @@ def feature_layout(model: Any) -> tuple[list[str], list[tuple[str, int, int]]]:
 
 def _check_ratings(c: Contents, model: Any) -> None:
     """The model's features must be the file's, in order: names, rows, widths, and the
-    dense names."""
+    dense names; every id the file holds must be a row of the model's table."""
     if c.features is None or c.dense is None:
         raise DataError(f"{c.path}: records no features/dense attributes; re-run "
                         f"{REMEDY[RATINGS]}")
@@ -237,7 +242,9 @@ def _check_ratings(c: Contents, model: Any) -> None:
     if [s[0] for s in sparse] != names:
         raise DataError(f"{c.path}: holds the sparse features {names} (in this order); the "
                         f"model takes {[s[0] for s in sparse]}; {fix}")
-    for (name, rows, width), (_, m_rows, m_width) in zip(c.features, sparse, strict=True):
+    largest = c.largest_ids or (None,) * len(sparse)
+    for (name, rows, width), (_, m_rows, m_width), top in zip(c.features, sparse, largest,
+                                                               strict=True):
         if m_rows < rows:
             raise DataError(f"{c.path}: feature {name!r} has ids in [0, {rows}); the "
                             f"model's table {name!r} has {m_rows} rows, it needs at least "
@@ -246,3 +253,8 @@ def _check_ratings(c: Contents, model: Any) -> None:
             raise DataError(f"{c.path}: feature {name!r} has {width} slot(s) per sample; "
                             f"the model's {name!r} takes {m_width}, it must take {width}: "
                             f"{fix}")
+        if top is not None and top >= m_rows:
+            raise DataError(f"{c.path}: feature {name!r} holds ids up to {top}; the model's "
+                            f"table {name!r} has {m_rows} rows (ids 0..{m_rows - 1}): "
+                            f"give the table at least {top + 1} rows, or re-run "
+                            f"{REMEDY[RATINGS]}")

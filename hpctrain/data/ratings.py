@@ -97,6 +97,17 @@ def parse_features(path: Path, attrs) -> tuple[tuple[Feature, ...], tuple[str, .
     return out, tuple(str(d) for d in dense)
 
 
+def largest_ids(ids: np.ndarray, features: tuple[Feature, ...]) -> tuple[int, ...]:
+    """ids (R, K) in the column order of ``features`` -> each feature's largest id
+    (-1: none, an empty file or only unused slots)."""
+    out, a = [], 0
+    for f in features:
+        cols = ids[:, a:a + f.width]
+        out.append(int(cols.max(initial=-1)))
+        a += f.width
+    return tuple(out)
+
+
 def read_ratings(path: str | Path) -> Ratings:
     """Every rating of an ``hpctrain.ratings`` file (or one shard of it), checked."""
     path = Path(path)

@@ -4,8 +4,13 @@ A table is a ``SparseParameter``; its ``.grad`` a ``SparseGrad`` (``rows`` (n,) 
 ``values`` (n, dim)). ``step(lr)`` reads, and writes, only those rows of the table and
 of the state: its cost follows the batch, not the table. Both optimizers keep their
 state as lists of arrays aligned with the tables (``StateLists``: ``state_arrays()``
-for checkpoints, keys ``"<state>.<table name>"``) and a step counter ``t``. No weight
-decay: decaying every row every step would touch the whole table.
+for checkpoints, keys ``"<state>.<table name>"``) and a step counter ``t``.
+
+Weight decay (``weight_decay``, 0 by default) is decoupled, as AdamW's, and lazy: only
+the rows a step touches shrink, ``W[r] *= 1 - lr wd`` before their update, once per step
+whatever the number of samples that read them (decaying every row every step would
+touch the whole table; a row unseen for many steps keeps its value). A penalty scaled
+by how often a row is read is the model's ``embed_l2`` instead.
 
 Row-wise AdaGrad (``RowWiseAdaGrad``, torchrec's and FBGEMM's default for tables): one
 accumulator value per row, the mean over the row of the squared gradient::
@@ -50,7 +55,7 @@ class SparseOptimizer(StateLists):
     """Shared plumbing: the tables, their names, the step loop over touched rows."""
 
     def __init__(self, named_params: Iterable[tuple[str, Parameter]], *, lr: float,
-                 eps: float):
+                 eps: float, weight_decay: float = 0.0):
         named = list(named_params)
         if not named:
             raise ValueError("the sparse optimizer got no tables")
@@ -61,6 +66,7 @@ class SparseOptimizer(StateLists):
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.lr, self.eps, self.t = lr, eps, 0
+        self.weight_decay = weight_decay
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -72,6 +78,8 @@ class SparseOptimizer(StateLists):
         self.t += 1
         for k, p in enumerate(self.params):
             if len(p.grad.rows):
+                if self.weight_decay:  # decoupled and lazy: the touched rows only
+                    p.data[p.grad.rows] *= 1.0 - lr * self.weight_decay
                 self._update(k, p.data, p.grad.rows, p.grad.values, lr)
 
     def _update(self, k: int, W: np.ndarray, rows: np.ndarray, g: np.ndarray,
@@ -84,8 +92,9 @@ class RowWiseAdaGrad(SparseOptimizer):
 
     _state_lists = ("acc",)
 
-    def __init__(self, named_params, *, lr: float, eps: float = 1e-8):
-        super().__init__(named_params, lr=lr, eps=eps)
+    def __init__(self, named_params, *, lr: float, eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(named_params, lr=lr, eps=eps, weight_decay=weight_decay)
         self.acc = [_written_zeros(p.shape[:1], p.data.dtype) for p in self.params]
 
     def _update(self, k, W, rows, g, lr):
@@ -101,8 +110,8 @@ class SparseAdam(SparseOptimizer):
     _state_lists = ("m", "v")
 
     def __init__(self, named_params, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8):
-        super().__init__(named_params, lr=lr, eps=eps)
+                 eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(named_params, lr=lr, eps=eps, weight_decay=weight_decay)
         self.beta1, self.beta2 = betas
         self.m = [_written_zeros(p.shape, p.data.dtype) for p in self.params]
         self.v = [_written_zeros(p.shape, p.data.dtype) for p in self.params]
@@ -120,11 +129,13 @@ class SparseAdam(SparseOptimizer):
 
 def make_sparse_optimizer(t, named_params) -> SparseOptimizer:
     """``[train] sparse_optimizer`` over the tables ``named_params``: its lr is
-    ``sparse_lr`` (or ``lr``), eps and betas the dense optimizer's."""
-    lr = t.sparse_lr or t.lr
+    ``sparse_lr`` (or ``lr``), its weight decay ``sparse_weight_decay``, eps and betas
+    the dense optimizer's."""
+    lr, wd = t.sparse_lr or t.lr, t.sparse_weight_decay
     if t.sparse_optimizer == "adam":
-        return SparseAdam(named_params, lr=lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    return RowWiseAdaGrad(named_params, lr=lr, eps=t.eps)
+        return SparseAdam(named_params, lr=lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                          weight_decay=wd)
+    return RowWiseAdaGrad(named_params, lr=lr, eps=t.eps, weight_decay=wd)
 
 
 class TablesAndDense(StateLists):

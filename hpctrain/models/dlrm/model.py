@@ -6,7 +6,20 @@
     h   = [z, <v_i, v_j> for i < j]  over v = (z, e_1..e_F)  (B, d + n(n-1)/2), n = F + 1
     o   = relu(... h ...) @ W_out + b_out                 (B, 1)   top MLP
     r   = o + sum_k bias_k[ids of feature k]              (B,)     1-wide bias tables
+          (+ sum_{i<j} <v_i, v_j>                                  with fm_output)
     loss = mean_B (r - y)^2                                        MSE on the rating
+         + embed_l2 mean_B sum_k |e_k|^2 + bias_l2 mean_B sum_k bias_k^2
+
+The penalties (``embed_l2``, ``bias_l2``, 0 by default) are L2 on what each sample
+looks up: a row is penalised once per rating that reads it, so a user with many
+ratings is held as firmly as the data behind it allows (the per-rating regularisation
+of matrix factorisation, Koren et al. 2009), and only the rows a batch touches get a
+gradient. A mean-pooled bag penalises its pooled vector. ``fm_output`` adds the sum
+of the pairwise dot products (the interaction's own outputs) to the prediction, as a
+factorisation machine does, besides feeding them to the top MLP. Evaluation
+(``eval_loss``, ``eval_metrics``) clips the prediction to [rating_min, rating_max]
+when they differ (ratings are 1..5: a prediction of 5.4 is no better than 5) and
+leaves the penalties out: it is the MSE of the ratings alone.
 
 The bias tables (``bias_features``, e.g. user and item) give each user and item its
 own offset from the mean rating, the strongest single signal in MovieLens; the output
@@ -53,6 +66,8 @@ class DLRMCache(NamedTuple):
     out: LinearCache
     biases: list[EmbeddingBagCache]
     err: np.ndarray  # (B,) prediction - rating
+    looked: np.ndarray | None = None  # (B, F, d) the embeddings, with embed_l2
+    bias: np.ndarray | None = None  # (B, nb) the biases looked up, with bias_l2
 
 
 def _mlp_forward(layers: list[Linear], act: ReLU, h: np.ndarray) -> tuple[np.ndarray, list]:
@@ -83,7 +98,8 @@ class DLRM(Model):
     name = "DLRM"
     data_format = RATINGS
     config_keys = ("tables", "embed_dim", "bottom_mlp", "top_mlp", "dense_features",
-                   "bias_features", "output_bias")
+                   "bias_features", "output_bias", "embed_l2", "bias_l2", "rating_min",
+                   "rating_max", "fm_output")
 
     def __init__(self, cfg: ModelConfig, seed: int):
         rng = np.random.default_rng(seed)
@@ -136,36 +152,61 @@ class DLRM(Model):
         looked = [t.forward(ids[:, self.cols[t.name]]) for t in self.tables]
         e = np.stack([y for y, _ in looked], axis=1)  # (B, F, d)
         h, inter = self.interaction.forward(z, e)  # (B, d + n(n-1)/2)
+        fm = h[:, z.shape[1]:].sum(axis=1) if self.cfg.fm_output else 0.0  # (B,)
         h, top = _mlp_forward(self.top, self.act, h)
         o, out = self.out.forward(h)  # (B, 1)
-        r = o[:, 0]
-        biases = []
+        r = o[:, 0] + fm
+        biases, bias = [], []
         for name, table in zip(self.cfg.bias_features, self.biases, strict=True):
             b, cache = table.forward(ids[:, self.cols[name]])  # (B, 1)
             r = r + b[:, 0]
             biases.append(cache)
-        return r, (bottom, [c for _, c in looked], inter, top, out, biases)
+            bias.append(b)
+        bias = np.concatenate(bias, axis=1) if bias else np.zeros((len(r), 0), r.dtype)
+        return r, (bottom, [c for _, c in looked], inter, top, out, biases, e, bias)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        # x structured (B,) -> ratings (B,)
-        return self.predict_cached(x)[0]
+        """x structured (B,) -> ratings (B,), clipped to [rating_min, rating_max] when
+        they differ."""
+        r = self.predict_cached(x)[0]
+        lo, hi = self.cfg.rating_min, self.cfg.rating_max
+        return np.clip(r, lo, hi) if lo < hi else r
 
     def forward(self, x: np.ndarray, targets: np.ndarray) -> tuple[float, DLRMCache]:
-        # x structured (B,), targets (B,) ratings -> loss, the mean squared error
-        r, caches = self.predict_cached(x)
+        # x structured (B,), targets (B,) ratings -> loss: the MSE and the penalties
+        r, (*caches, e, bias) = self.predict_cached(x)
         err = r - targets.astype(r.dtype, copy=False)  # (B,)
-        return float(np.mean(err * err)), DLRMCache(*caches, err)
+        loss = float(np.mean(err * err))
+        m = self.cfg
+        if m.embed_l2:
+            loss += m.embed_l2 * float(np.sum(e * e)) / len(r)
+        if m.bias_l2:
+            loss += m.bias_l2 * float(np.sum(bias * bias)) / len(r)
+        return loss, DLRMCache(*caches, err, e if m.embed_l2 else None,
+                               bias if m.bias_l2 else None)
+
+    def eval_loss(self, x: np.ndarray, targets: np.ndarray) -> float:
+        """The MSE of the (clipped) prediction, without the penalties."""
+        err = self.predict(x) - targets
+        return float(np.mean(err * err))
 
     def backward(self, cache: DLRMCache, dloss: float = 1.0) -> None:
         """Add the gradients of ``dloss * loss`` into every parameter's ``.grad`` (the
         tables': their sparse rows)."""
         dr = (2.0 * dloss / len(cache.err)) * cache.err  # (B,)
         dr = dr[:, None]  # (B, 1)
-        for table, c in zip(self.biases, cache.biases, strict=True):
-            table.backward(dr, c)
+        penalty = 2.0 * dloss / len(cache.err)  # d(l2 mean_B |v|^2) / dv = penalty l2 v
+        for k, (table, c) in enumerate(zip(self.biases, cache.biases, strict=True)):
+            db = dr if cache.bias is None else \
+                dr + penalty * self.cfg.bias_l2 * cache.bias[:, k:k + 1]
+            table.backward(db, c)
         dh = self.out.backward(dr, cache.out)  # (B, top[-1])
         dh = _mlp_backward(self.top, self.act, dh, cache.top, need_dx=True)
+        if self.cfg.fm_output:
+            dh[:, self.cfg.embed_dim:] += dr  # the dot products feed r directly too
         dz, de = self.interaction.backward(dh, cache.inter)  # (B, d), (B, F, d)
+        if cache.looked is not None:
+            de = de + (penalty * self.cfg.embed_l2) * cache.looked
         for k, (table, c) in enumerate(zip(self.tables, cache.tables, strict=True)):
             table.backward(de[:, k], c)
         _mlp_backward(self.bottom, self.act, dz, cache.bottom, need_dx=False)
@@ -207,6 +248,10 @@ class DLRM(Model):
         if not all(w >= 1 for w in (*m.bottom_mlp, *m.top_mlp)):
             raise ConfigError(f"bottom_mlp ({list(m.bottom_mlp)}) and top_mlp "
                               f"({list(m.top_mlp)}) widths must be positive")
+        if m.embed_l2 < 0 or m.bias_l2 < 0 or m.rating_min > m.rating_max:
+            raise ConfigError(f"embed_l2 ({m.embed_l2}) and bias_l2 ({m.bias_l2}) must not be "
+                              f"negative, rating_min ({m.rating_min}) not above rating_max "
+                              f"({m.rating_max})")
         if par.zero != 0 or par.averaging != "sync" or par.shares != "equal":
             raise ConfigError(f"the DLRM's tables are replicated with their sparse gradients "
                               f"gathered each step: zero ({par.zero}) must be 0, averaging "
@@ -227,5 +272,5 @@ class DLRM(Model):
     def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
         """``mse``: (sum of squared errors, ratings), summed over the data group; the
         validation RMSE is the square root of ``val_mse``."""
-        err = self.predict(x) - y
+        err = self.predict(x) - y  # clipped to [rating_min, rating_max]
         return {"mse": (float(np.dot(err, err)), len(y))}

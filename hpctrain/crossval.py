@@ -1,0 +1,119 @@
+"""``hpctrain cv``: k-fold cross-validation of a ratings model, one training run per fold.
+
+Fold k trains a fresh model (the config's seed) on every fold but k and is evaluated
+on fold k after its last step; the figure is the validation RMSE, the square root of
+the model's ``val_mse`` over the whole fold (its ``eval_metrics``: the prediction
+clipped when the model clips). The runs go one after another on every rank of the
+job, each in ``<run_dir>/fold<k>``; rank 0 prints each fold's RMSE, their mean and
+standard deviation, and the wall time, and writes them to ``<run_dir>/cv.json``.
+Nothing is chosen on the validation folds: every fold runs the config as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def fold_rmse(run_dir: str | Path) -> float:
+    """The validation RMSE of a finished run: the last ``val_mse`` in its metrics."""
+    path = Path(run_dir) / "metrics.jsonl"
+    mse = [rec["val_mse"] for rec in map(json.loads, path.read_text().splitlines())
+           if "val_mse" in rec]
+    if not mse:
+        raise click.ClickException(f"{path} holds no val_mse: the model reports no "
+                                   f"mse in eval_metrics, or the run did not evaluate")
+    return math.sqrt(mse[-1])
+
+
+def cross_validate(cfg: Any, comm: Any, folds: list[int], say=print) -> dict[str, Any]:
+    """Train ``cfg`` once per fold of ``folds`` (collective over ``comm``); rank 0 returns
+    ``{"rmse": [...], "mean", "std", "seconds"}`` (other ranks: the seconds only)."""
+    from hpctrain.train import train
+
+    root, rank0 = Path(cfg.train.run_dir), comm.Get_rank() == 0
+    rmse, start = [], time.perf_counter()
+    for k in folds:
+        run = replace(cfg, data=replace(cfg.data, fold=k),
+                      train=replace(cfg.train, run_dir=str(root / f"fold{k}")))
+        t0 = time.perf_counter()
+        train(run, comm, quiet=True)
+        if rank0:
+            rmse.append(fold_rmse(run.train.run_dir))
+            say(f"fold {k}: RMSE {rmse[-1]:.4f} ({time.perf_counter() - t0:.1f} s)")
+    seconds = time.perf_counter() - start
+    if not rank0:
+        return {"seconds": seconds}
+    mean = sum(rmse) / len(rmse)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rmse) / max(len(rmse) - 1, 1))
+    return {"folds": folds, "rmse": rmse, "mean": mean, "std": std, "seconds": seconds,
+            "ranks": comm.Get_size()}
+
+
+@click.command("cv")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="A ratings model's TOML config (e.g. configs/dlrm-movielens.toml).")
+@click.option("--folds", type=int, default=None,
+              help="Validate on folds 0..N-1 (default: every fold the data file holds).")
+@click.option("--steps", type=int, help="Optimizer steps per fold (default: the config's).")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Where the folds' runs go, one folder each (default: the config's).")
+def cv_command(config_path: str, folds: int | None, steps: int | None,
+               run_dir: str | None) -> None:
+    """K-fold cross-validation: train on all folds but k, report the RMSE on fold k.
+
+    Every rank runs every fold in turn; rank 0 prints each fold's validation RMSE (the
+    square root of val_mse), the mean and the wall time, and writes <run-dir>/cv.json.
+
+    \b
+    Examples:
+      hpctrain cv --config configs/dlrm-movielens.toml
+      mpiexec -n 2 hpctrain cv --config configs/dlrm-movielens.toml --folds 5
+    """
+    from mpi4py import MPI
+
+    from hpctrain import config as config_mod
+    from hpctrain.data.ratings import read_ratings
+    from hpctrain.runtime import abort_on_error, startup_check
+
+    comm = MPI.COMM_WORLD
+    overrides = {k: v for k, v in (("train.steps", steps), ("train.run_dir", run_dir))
+                 if v is not None}
+
+    def setup():
+        cfg = config_mod.load(config_path, overrides).validate(comm.Get_size())
+        held = read_ratings(cfg.data.path).folds
+        n = held if folds is None else folds
+        if not 1 <= n <= held:
+            raise config_mod.ConfigError(f"--folds ({n}) must be between 1 and the {held} "
+                                         f"folds {cfg.data.path} holds")
+        return cfg, list(range(n))
+
+    with abort_on_error(comm):
+        cfg, fold_list = startup_check(comm, setup)
+        say = click.echo if comm.Get_rank() == 0 else (lambda _line: None)
+        say(f"{len(fold_list)}-fold cross-validation of {config_path} on {comm.Get_size()} "
+            f"rank(s), {cfg.train.steps} steps per fold; load {_load()}")
+        result = cross_validate(cfg, comm, fold_list, say)
+    if comm.Get_rank() == 0:
+        result["load_after"] = _load()
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.train.run_dir) / "cv.json").write_text(json.dumps(result, indent=2))
+        click.echo(f"RMSE per fold: {' '.join(f'{r:.4f}' for r in result['rmse'])}")
+        click.echo(f"mean RMSE {result['mean']:.4f} (std {result['std']:.4f}) over "
+                   f"{len(fold_list)} folds in {result['seconds']:.1f} s on "
+                   f"{comm.Get_size()} rank(s); load {result['load_after']}")
+
+
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
