@@ -33,6 +33,7 @@ OVERRIDES = {
     "pipeline_training": "parallel.pipeline_training",
     "sequence_parallel": "parallel.sequence_parallel",
     "zero": "parallel.zero",
+    "reshard_after_forward": "parallel.reshard_after_forward",
     "bucket_mb": "parallel.bucket_mb",
     "dp_reduce": "parallel.dp_reduce",
     "averaging": "parallel.averaging",
@@ -100,7 +101,11 @@ def _int_list(value: str, name: str) -> list[int]:
               help="Shard LayerNorm and residual activations along the sequence (tp > 1).")
 @click.option("--zero", type=int,
               help="ZeRO stage: 0 plain data parallelism, 1 shard the optimizer state over "
-                   "the data group, 2 shard the gradients too.")
+                   "the data group, 2 shard the gradients too, 3 the parameters too "
+                   "(gathered a pipeline piece at a time).")
+@click.option("--reshard-after-forward/--no-reshard-after-forward", default=None,
+              help="ZeRO-3: free a piece's gathered parameters after its forward and gather "
+                   "them again for backward (default), or keep them until the backward.")
 @click.option("--bucket-mb", type=float,
               help="Gradient bucket size in MiB: each bucket is reduced as soon as backward "
                    "has finished it.")

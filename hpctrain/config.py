@@ -132,7 +132,11 @@ class ParallelConfig:
     pipeline_training: str = "backprop"
     balance: str = "layers"  # split stages by "layers" or by "params"
     sequence_parallel: bool = False
-    zero: int = 0  # 0: plain data parallel, 1: shard optimizer state, 2: and gradients
+    zero: int = 0  # 0: plain data parallel, 1: shard optimizer state, 2: and gradients,
+    # 3: and parameters, gathered a pipeline piece at a time (hpctrain/parallel/zero3.py)
+    # ZeRO-3: free a piece's gathered parameters after its forward (gather again for
+    # backward); False keeps them until the backward (less communication, more memory)
+    reshard_after_forward: bool = True
     bucket_mb: float = 4.0  # gradient all-reduce bucket size, MiB
     # "flat": one all-reduce (ZeRO: reduce-scatter) over the data group; "hierarchical":
     # reduce in each node, all-reduce (reduce-scatter) among one leader per node,
@@ -294,10 +298,23 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
                  f"virtual_stages ({par.virtual_stages}) > 1 needs schedule 'interleaved' "
                  f"(schedule is {par.schedule!r})")
     _require_choice("balance", par.balance, BALANCE)
-    _require(par.zero in (0, 1, 2), f"zero ({par.zero}) must be 0, 1 or 2")
+    _require(par.zero in (0, 1, 2, 3), f"zero ({par.zero}) must be 0, 1, 2 or 3")
+    _check_zero3(par)
     _require(par.bucket_mb > 0, f"bucket_mb ({par.bucket_mb}) must be positive")
     _require_choice("dp_reduce", par.dp_reduce, DP_REDUCE)
     _check_averaging(par)
+
+
+def _check_zero3(par: ParallelConfig) -> None:
+    """ZeRO-3 gathers parameters around the pieces of the local, tensor-parallel and
+    pipeline engines (``parallel/zero3.py``); the others cannot use it."""
+    if par.zero != 3:
+        return
+    _require(par.sp == 1, f"zero 3 gathers parameters around pipeline pieces, and spatial "
+                          f"parallelism runs the model whole: sp ({par.sp}) must be 1")
+    _require(par.pipeline_training == "backprop",
+             f"zero 3 needs pipeline_training 'backprop' (it is "
+             f"{par.pipeline_training!r}: each stage's own heads are not pieces)")
 
 
 def _check_averaging(par: ParallelConfig) -> None:

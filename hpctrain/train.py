@@ -71,9 +71,10 @@ def make_optimizer(cfg: Config, named_params, decay=None):
 
 def make_data_parallel(cfg: Config, engine, topo: Topology):
     """Gradient synchronisation and optimizer for ``cfg.parallel.zero``: stage 0 is
-    ``DataParallel``, stages 1 and 2 ``ZeroDataParallel`` (collective over the model
-    group at construction); each sums flat or hierarchically (``cfg.parallel.dp_reduce``:
-    over the topology's node groups, ``hierarchy.py``). A model with embedding tables
+    ``DataParallel``, stages 1 and 2 ``ZeroDataParallel``, stage 3 ``Zero3DataParallel``
+    (collective over the model group at construction); each sums flat or
+    hierarchically (``cfg.parallel.dp_reduce``: over the topology's node groups,
+    ``hierarchy.py``). A model with embedding tables
     (sparse gradients) gets ``sparse_data.SparseDataParallel``."""
     par = cfg.parallel
     if has_tables(engine):
@@ -101,6 +102,14 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
     from hpctrain.parallel.hierarchy import hierarchical_reduce_scatter
     from hpctrain.parallel.zero import ZeroDataParallel
 
+    if par.zero == 3:
+        from hpctrain.parallel.zero3 import Zero3DataParallel
+
+        return Zero3DataParallel(engine, topo, make_optimizer=functools.partial(make_optimizer,
+                                                                                cfg),
+                                 reshard_after_forward=par.reshard_after_forward,
+                                 reduce_scatter=hierarchical_reduce_scatter(topo)
+                                 if hierarchical else None)
     return ZeroDataParallel(engine, topo, stage=par.zero, bucket_mb=par.bucket_mb,
                             make_optimizer=functools.partial(make_optimizer, cfg),
                             reduce_scatter=hierarchical_reduce_scatter(topo) if hierarchical

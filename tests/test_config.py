@@ -79,7 +79,7 @@ def cfg_with(world=1, **kw):
     (cfg_with(8, parallel__pp=8, model__n_layer=4), r"must not exceed n_layer \(4\)"),
     (cfg_with(2, train__batch_size=5, parallel__microbatches=1),
      r"batch_size \(5\) must be a positive multiple of dp \* microbatches \(2 \* 1 = 2\)"),
-    (cfg_with(1, parallel__zero=3), r"zero \(3\) must be 0, 1 or 2"),
+    (cfg_with(1, parallel__zero=4), r"zero \(4\) must be 0, 1, 2 or 3"),
     (cfg_with(1, train__min_lr=1.0, train__lr=0.1), r"min_lr \(1.0\) must be between 0 and lr"),
     (cfg_with(1, model__dtype="float16"), r"dtype \('float16'\) must be one of"),
     (cfg_with(2, model__kind="cnn", parallel__tp=2), r"CNN classifier supports data parallel"),

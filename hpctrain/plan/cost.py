@@ -354,6 +354,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             work += mem.block_activation_bytes(m, b, tp, sp, s)
         work = max(work, s * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
+        if par.zero == 3:  # gathered pieces and one piece's whole gradient
+            buckets = mem.zero3_transient_bytes(m, tp, s)
         retained = 0
         if pp > 1 and practice.keeps_whole_model:  # the other stages' data and grad
             whole = sum(mem.rank_param_sizes(m, tp, 1, 1, par.balance, 0))
@@ -451,6 +453,8 @@ def dp_time(cfg: Config, cluster: Cluster, grad_bytes: float, rpn: int, inter: b
                                     inter) - window)
     scatter = reduction_s(cluster, "reduce_scatter", dp, grad_bytes, rpn, tp, hier, inter)
     gather = cluster.collective_time("all_gather", dp, grad_bytes, inter)
+    if par.zero == 3 and par.reshard_after_forward:  # gathered for forward and backward
+        gather *= 2
     return max(0.0, scatter - window) + gather
 
 

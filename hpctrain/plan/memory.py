@@ -196,13 +196,29 @@ def state_bytes(sizes: list[int], s: int, dp: int, zero: int, states: int,
                 bucket_mb: float, master: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for parameter ``sizes`` (model order), as
     ``zero.expected_memory``: stage 0 whole; 1 and 2 pad every bucket to a multiple of
-    dp and shard the optimizer state (2: and the gradients) over dp. ``master``: mixed
-    precision, the optimizer keeps a copy of the parameters and its states in
+    dp and shard the optimizer state (2: and the gradients) over dp; 3 shards all three
+    (``parallel/zero3.py``; its transient gathered pieces are ``zero3_transient_bytes``).
+    ``master``: mixed precision, the optimizer keeps a copy of the parameters and its states in
     ``master`` bytes an element (fp32: 4)."""
     numel = sum(sizes)
     per = (states + 1) * master if master else states * s
     if zero == 0:
         return numel * s, numel * s, per * numel
+    if zero == 3:  # everything 1/dp (each piece padded by under dp elements: ignored)
+        shard = -(-numel // dp)
+        return shard * s, shard * s, per * shard
     padded = sum(size for *_, size in plan_buckets(list(reversed(sizes)), s, bucket_mb, dp))
     shard = padded // dp
     return padded * s, (padded if zero == 1 else shard) * s, per * shard
+
+
+def zero3_transient_bytes(m, tp: int, s: int) -> int:
+    """ZeRO-3's gathered state during a step: the largest pipeline piece whole (its
+    parameters per tp rank, by the model's ``piece_costs``, which for the GPT are
+    parameter counts), three times: the piece in use, the next one prefetched, and the
+    whole gradient of the piece in backward."""
+    from hpctrain.models.registry import model_class
+
+    costs = model_class(m.kind).piece_costs(m)
+    largest = max([costs.first, *costs.middle, costs.last])
+    return int(3 * s * largest / tp)

@@ -3,12 +3,13 @@
 For the world size N this suite runs at (2, 4 and 8 in ``make test``), every
 factorisation N = dp * tp * pp the tiny GPT allows (tp divides its 4 heads, pp is at
 most its 4 layers), with the 1F1B schedule and, where valid (pp > 1, two layers per
-rank), the interleaved one with two chunks per rank, each with ZeRO stage 0, 1 and 2,
+rank), the interleaved one with two chunks per rank, each with ZeRO stage 0 to 3,
 trains 10 steps in float64 and must give the loss of every step of the serial run
 to 1e-8 relative. Clipping is engaged in the first steps (norm above ``grad_clip``)
 and weight decay is on, so the global norm and the decay masks are checked too.
 The tied-embedding GPT (its token table on the first and the last stage) runs at
-ZeRO 2. Some layouts run twice and must agree bitwise.
+ZeRO 2 and 3; ZeRO 3 also with its gathered parameters kept from forward to backward
+(``reshard_after_forward = False``). Some layouts run twice and must agree bitwise.
 """
 
 import itertools
@@ -46,10 +47,11 @@ def runs(n: int) -> list[tuple[int, int, int, str, int]]:
     return out
 
 
-def parallel(dp, tp, pp, schedule, v, zero) -> ParallelConfig:
+def parallel(dp, tp, pp, schedule, v, zero, reshard=True) -> ParallelConfig:
     m = 2 * pp if TRAIN.batch_size % (dp * 2 * pp) == 0 else pp  # > pp: a steady 1F1B phase
     return ParallelConfig(dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v,
-                          microbatches=max(m, 2), zero=zero, bucket_mb=0.002)
+                          microbatches=max(m, 2), zero=zero, bucket_mb=0.002,
+                          reshard_after_forward=reshard)
 
 
 def run_id(run, zero):
@@ -62,8 +64,8 @@ def richest(candidates):
     return max(candidates, key=lambda r: (r[0] > 1) + (r[1] > 1) + (r[2] > 1) + (r[4] > 1))
 
 
-MATRIX = [(run, zero) for run in runs(SIZE) for zero in (0, 1, 2)]
-TWICE = [(richest(runs(SIZE)), zero) for zero in (0, 2)]
+MATRIX = [(run, zero) for run in runs(SIZE) for zero in (0, 1, 2, 3)]
+TWICE = [(richest(runs(SIZE)), zero) for zero in (0, 2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +84,9 @@ def serial(batches):
             for tie in (False, True)}
 
 
-def losses(comm, batches, run, zero, tie=False):
+def losses(comm, batches, run, zero, tie=False, reshard=True):
     model = replace(MODEL, tie_embeddings=tie)
-    cfg = Config(model=model, parallel=parallel(*run, zero), train=TRAIN)
+    cfg = Config(model=model, parallel=parallel(*run, zero, reshard), train=TRAIN)
     return train_losses(cfg.validate(comm.Get_size()), comm, batches)
 
 
@@ -100,6 +102,22 @@ def test_every_layout_reproduces_the_serial_loss_curve(comm, batches, serial, ru
 def test_tied_embeddings_reproduce_the_serial_curve_at_zero_2(comm, batches, serial, run):
     assert_close_all(comm, losses(comm, batches, run, 2, tie=True), serial[True], rtol=RTOL,
                      what=f"tied losses at {run_id(run, 2)}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("run", runs(SIZE), ids=[run_id(r, 3) for r in runs(SIZE)])
+def test_tied_embeddings_reproduce_the_serial_curve_at_zero_3(comm, batches, serial, run):
+    assert_close_all(comm, losses(comm, batches, run, 3, tie=True), serial[True], rtol=RTOL,
+                     what=f"tied losses at {run_id(run, 3)}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("run", runs(SIZE), ids=[run_id(r, 3) for r in runs(SIZE)])
+def test_zero_3_keeping_the_gathered_pieces_reproduces_the_serial_curve(comm, batches, serial,
+                                                                         run):
+    assert_close_all(comm, losses(comm, batches, run, 3, tie=True, reshard=False),
+                     serial[True], rtol=RTOL,
+                     what=f"tied losses at {run_id(run, 3)}, reshard_after_forward False")
 
 
 @pytest.mark.mpi

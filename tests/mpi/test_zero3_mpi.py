@@ -1,0 +1,223 @@
+"""ZeRO-3 under MPI: checkpoints across ZeRO stages and layouts, memory per rank.
+
+* checkpoints: saved at ZeRO 3 on dp = 2, loaded serially at ZeRO 0 and at ZeRO 1
+  with tp = 2, and the reverse (saved serially at ZeRO 0 and at tp = 2 ZeRO 1, loaded
+  at ZeRO 3 dp = 2): every array each rank holds after loading is, bitwise, its part
+  (``Sharding``) of the global tensor the serial load gives; the run continued at
+  ZeRO 3 gives the losses of the run that saved, to 1e-8 relative. These use the
+  first two ranks of the world (the others only join the verdicts).
+* memory: at dp = the world size, the parameter bytes a rank holds between steps at
+  ZeRO 3 are 1/dp of ZeRO 0's (each unit's padding apart); no parameter holds an array
+  of its own between steps; the bytes ``tracemalloc`` sees alive after a step fall by
+  about the sharded amount.
+
+Assertions are collective (``hpctrain.testing``).
+"""
+
+import gc
+import shutil
+import tempfile
+import tracemalloc
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.checkpoint import load_training, save_training
+from hpctrain.checkpoint.reshard import place, segments, slices
+from hpctrain.checkpoint.state import held_tensors
+from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from hpctrain.optim import schedule
+from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.topology import Topology
+from hpctrain.testing import assert_all, assert_close_all
+from hpctrain.train import make_data_parallel, train_step
+
+WORLD = MPI.COMM_WORLD
+SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
+MODEL = ModelConfig(n_layer=2, d_model=16, n_head=4, seq_len=8, vocab_size=32,
+                    dtype="float64", init_std=0.3, tie_embeddings=True)
+TRAIN = TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
+                    steps=6)
+SAVE_AT = 3
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
+
+def config(dp=1, tp=1, zero=0, microbatches=2, model=MODEL) -> Config:
+    par = ParallelConfig(dp=dp, tp=tp, zero=zero, microbatches=microbatches, bucket_mb=0.002)
+    return Config(model=model, parallel=par, train=replace(TRAIN, keep_checkpoints=2)) \
+        .validate(dp * tp)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    r = np.random.default_rng(1)
+    shape = (TRAIN.batch_size, MODEL.seq_len)
+    return [(r.integers(0, MODEL.vocab_size, shape), r.integers(0, MODEL.vocab_size, shape))
+            for _ in range(TRAIN.steps)]
+
+
+@pytest.fixture(scope="module")
+def shared_dir():
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpctrain-zero3-") if RANK == 0 else None)
+    yield Path(path)
+    WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The first two ranks of the world; None on the others."""
+    comm = WORLD.Split(color=0 if RANK < 2 else MPI.UNDEFINED, key=RANK)
+    yield None if comm == MPI.COMM_NULL else comm
+    if comm != MPI.COMM_NULL:
+        comm.Free()
+
+
+class Run:
+    def __init__(self, cfg: Config, comm):
+        self.cfg, self.topo = cfg, Topology.build(comm, cfg.parallel)
+        self.engine = build_engine(cfg, self.topo)
+        self.dp = make_data_parallel(cfg, self.engine, self.topo)
+        self.done = 0
+
+    def steps(self, batches, until: int) -> list[float]:
+        t, losses = self.cfg.train, []
+        while self.done < until:
+            x, y = batches[self.done]
+            b = len(x) // self.topo.dp_size
+            rows = slice(self.topo.dp_rank * b, (self.topo.dp_rank + 1) * b)
+            lr = schedule.lr_at(self.done, lr=t.lr, min_lr=t.min_lr,
+                                warmup_steps=t.warmup_steps, total_steps=t.steps)
+            losses.append(train_step(self.engine, self.dp, x[rows], y[rows], lr=lr,
+                                     grad_clip=t.grad_clip)[0])
+            self.done += 1
+        return losses
+
+    def held(self) -> list:
+        return held_tensors(self.engine, self.dp, self.topo.tp_rank, self.topo.tp_size)
+
+    def save(self, root: Path) -> Path:
+        return save_training(self.cfg, self.topo, self.engine, self.dp, step=self.done,
+                             loader_state=None, root=root, say=lambda *_: None)
+
+    def load(self, path: Path) -> None:
+        self.done = load_training(path, self.cfg, self.topo, self.engine, self.dp,
+                                  root=path.parent / "unused", say=lambda *_: None).step
+
+
+def serial_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every global tensor of the checkpoint, as a serial ZeRO-0 run loads it."""
+    run = Run(config(), MPI.COMM_SELF)
+    run.load(path)
+    out = {h.name: h.array.copy() for h in run.held()}
+    run.topo.free()
+    return out
+
+
+def mismatches(held: list, whole: dict[str, np.ndarray]) -> list[str]:
+    """Names of the held arrays that are not, bitwise, their part of the global tensor."""
+    bad = []
+    for h in held:
+        want = np.empty(h.sharding.shape, h.array.dtype)
+        for seg in segments(h.sharding):
+            place(want, seg, whole[h.name][slices(seg.box)])
+        if not np.array_equal(want, h.array):
+            bad.append(h.name)
+    return bad
+
+
+def test_zero_3_checkpoint_loads_serially_and_at_tp_2_zero_1(pair, batches, shared_dir):
+    verdict, note = True, ""
+    if pair is not None:
+        source = Run(config(dp=2, zero=3), pair)
+        source.steps(batches, SAVE_AT)
+        path = source.save(shared_dir / "from_zero3")
+        saved = source.held()
+        whole = serial_tensors(path)
+        bad = mismatches(saved, whole)  # the saved slices are the global tensors' parts
+        target = Run(config(tp=2, zero=1), pair)
+        target.load(path)
+        bad += [f"tp2-zero1 {name}" for name in mismatches(target.held(), whole)]
+        names = {h.name.split("/")[0] for h in saved}
+        verdict = not bad and names == {"model", "optim"} and target.done == SAVE_AT
+        note = f"rank {RANK}: {bad[:4]}, saved kinds {names}"
+        source.topo.free()
+        target.topo.free()
+    assert_all(WORLD, verdict, f"ZeRO-3 checkpoint loaded at ZeRO 0 and tp 2 ZeRO 1: {note}")
+
+
+@pytest.mark.parametrize("origin", ["serial-zero0", "tp2-zero1"])
+def test_checkpoints_of_other_stages_load_into_zero_3(origin, pair, batches, shared_dir):
+    verdict, note, got, want = True, "", [0.0], [0.0]
+    if pair is not None:
+        if origin == "serial-zero0":
+            if RANK == 0:
+                source = Run(config(), MPI.COMM_SELF)
+                source.steps(batches, SAVE_AT)
+                path = source.save(shared_dir / origin)
+                want = source.steps(batches, TRAIN.steps)
+                source.topo.free()
+            path, want = pair.bcast((path, want) if RANK == 0 else None)
+        else:
+            source = Run(config(tp=2, zero=1), pair)
+            source.steps(batches, SAVE_AT)
+            path = source.save(shared_dir / origin)
+            want = source.steps(batches, TRAIN.steps)
+            source.topo.free()
+        whole = serial_tensors(path)
+        target = Run(config(dp=2, zero=3), pair)
+        target.load(path)
+        bad = mismatches(target.held(), whole)
+        got = target.steps(batches, TRAIN.steps)
+        target.topo.free()
+        verdict = not bad
+        note = f"rank {RANK}: {bad[:4]}"
+    assert_all(WORLD, verdict, f"{origin} checkpoint loaded at ZeRO 3 dp 2: {note}")
+    assert_close_all(WORLD, got, want, rtol=1e-8, what=f"losses continued at ZeRO 3 from {origin}")
+
+
+def memory_after_a_step(model: ModelConfig, zero: int, batches) -> tuple[dict, int, bool]:
+    """``dp.memory()``, the bytes tracemalloc sees alive after one step (the engine
+    and its wrapper built inside the window), and whether every parameter's ``data``
+    is storage-free (a zero-stride placeholder) between steps."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    run = Run(config(dp=SIZE, zero=zero, microbatches=1, model=model), WORLD)
+    run.steps(batches, 1)
+    gc.collect()
+    alive = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    free = all(p.data.size == 0 or not any(p.data.strides) for p in run.engine.params)
+    memory = run.dp.memory()
+    memory["padded"] = getattr(run.dp, "padded_numel", lambda: 0)()
+    run.topo.free()
+    return memory, alive, free
+
+
+@pytest.mark.skipif(SIZE < 2, reason="ZeRO-3 shards over dp > 1")
+def test_parameter_memory_at_zero_3_is_one_dp_th_of_zero_0(batches):
+    model = replace(MODEL, d_model=64, vocab_size=256, tie_embeddings=False)
+    zero0, alive0, _ = memory_after_a_step(model, 0, batches)
+    zero3, alive3, free = memory_after_a_step(model, 3, batches)
+    itemsize, dp = 8, SIZE
+    want = zero3["padded"] * itemsize // dp
+    ratio = zero0["param_bytes"] / zero3["param_bytes"]
+    assert_all(WORLD, zero3["param_bytes"] == want and zero3["grad_bytes"] == want
+               and zero3["optim_bytes"] == 2 * want,
+               f"ZeRO-3 bytes {zero3} vs N'/dp = {want} each (AdamW state twice)")
+    assert_all(WORLD, zero0["param_bytes"] <= zero3["param_bytes"] * dp
+               <= zero0["param_bytes"] + dp * itemsize * (model.n_layer + 2),
+               f"parameter bytes: zero 0 {zero0['param_bytes']}, zero 3 "
+               f"{zero3['param_bytes']} (ratio {ratio:.3f}, dp {dp})")
+    assert_all(WORLD, free, "a parameter holds an array of its own between ZeRO-3 steps")
+    # parameters, gradients and AdamW state: 4 N s at ZeRO 0, 4 N' s / dp at ZeRO 3
+    saving = sum(zero0.values()) - sum(v for k, v in zero3.items() if k != "padded")
+    assert_all(WORLD, alive0 - alive3 >= 0.9 * saving,
+               f"tracemalloc: {alive0} bytes alive at zero 0, {alive3} at zero 3; the "
+               f"shards should save {saving}")

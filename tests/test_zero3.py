@@ -1,0 +1,111 @@
+"""ZeRO-3 without MPI: its rules in ``Config.validate``, a model without pipeline pieces
+as one unit, the placeholders between uses, and the planner's memory terms."""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hpctrain.plan import cost
+from hpctrain.plan import memory as mem
+from hpctrain.testing import train_losses
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plan_cost import cluster, make  # noqa: E402
+
+GPT = ModelConfig(n_layer=2, d_model=16, n_head=4, seq_len=8, vocab_size=32, dtype="float64",
+                  init_std=0.3)
+TRAIN = TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, weight_decay=0.1, grad_clip=1.0,
+                    steps=4)
+
+
+@pytest.mark.parametrize("parallel, model, message", [
+    (dict(zero=4), GPT, "zero (4) must be 0, 1, 2 or 3"),
+    (dict(zero=3, sp=2), ModelConfig(kind="cnn", channels=(2, 3), input_dim=64),
+     "sp (2) must be 1"),
+    (dict(zero=3, pp=2, pipeline_training="local"), GPT,
+     "zero 3 needs pipeline_training 'backprop'"),
+    (dict(zero=3, averaging="periodic", average_every=2), GPT, "zero (3) must be 0"),
+])
+def test_zero_3_where_it_cannot_run_is_refused_by_name(parallel, model, message):
+    cfg = Config(model=model, parallel=ParallelConfig(**parallel), train=TRAIN)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate(2)
+
+
+def test_an_engine_that_cannot_use_zero_3_is_refused():
+    from hpctrain.parallel.zero3 import engine_pieces
+
+    class Other:
+        params = named_params = []
+
+    with pytest.raises(ValueError, match="Other cannot use it"):
+        engine_pieces(Other())
+
+
+def batches(cfg, n=4, seed=0):
+    r = np.random.default_rng(seed)
+    m = cfg.model
+    if m.kind == "cnn":
+        return [(r.random((TRAIN.batch_size, m.input_dim)),
+                 r.integers(0, m.n_classes, TRAIN.batch_size)) for _ in range(n)]
+    shape = (TRAIN.batch_size, m.seq_len)
+    return [(r.integers(0, m.vocab_size, shape), r.integers(0, m.vocab_size, shape))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("model", [GPT, replace(GPT, tie_embeddings=True),
+                                   ModelConfig(kind="cnn", channels=(2, 3), input_dim=36,
+                                               n_classes=4, dtype="float64")],
+                         ids=["gpt", "gpt-tied", "cnn-whole-model"])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero_3_on_one_rank_gives_the_zero_0_curve(model, reshard):
+    """The CNN declares no pipeline pieces: it is one unit, gathered whole."""
+    par = ParallelConfig(zero=3, microbatches=2, reshard_after_forward=reshard)
+    cfg = Config(model=model, parallel=par, train=TRAIN).validate(1)
+    data = batches(cfg)
+    want = train_losses(replace(cfg, parallel=replace(cfg.parallel, zero=0)), MPI.COMM_SELF,
+                        data)
+    got = train_losses(cfg, MPI.COMM_SELF, data)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_parameters_are_placeholders_between_uses_and_nan_if_read():
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.parallel.topology import Topology
+    from hpctrain.train import make_data_parallel, train_step
+
+    cfg = Config(model=GPT, parallel=ParallelConfig(zero=3), train=TRAIN).validate(1)
+    topo = Topology.build(MPI.COMM_SELF, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    x, y = batches(cfg)[0]
+    train_step(engine, dp, x, y, lr=1e-2, grad_clip=1.0)
+    for p in engine.params:
+        assert not any(p.data.strides) and np.isnan(p.data).all()
+        assert p.grad.size == 0
+    # a read that bypasses the pieces' gathers (the head's logits alone) shows as NaN
+    assert np.isnan(engine.model.head.logits(np.zeros((1, 1, GPT.d_model)))).all()
+    assert np.isfinite(engine.model.forward(x, y)[0])  # the pieces gather themselves
+    assert np.isfinite(engine.loss(x, y))  # evaluation gathers every unit
+    assert all(not any(p.data.strides) for p in engine.params)  # and frees them again
+    assert dp.memory()["param_bytes"] == dp.padded_numel() * 8
+    topo.free()
+
+
+def test_planner_state_bytes_at_zero_3_are_one_dp_th():
+    sizes = [100, 7, 33]
+    assert mem.state_bytes(sizes, 4, 4, 3, 2, 4.0) == (35 * 4, 35 * 4, 2 * 35 * 4)
+    assert mem.state_bytes(sizes, 4, 1, 3, 2, 4.0) == mem.state_bytes(sizes, 4, 1, 0, 2, 4.0)
+
+
+def test_planner_estimate_at_zero_3_shards_parameters_and_adds_the_gathered_piece():
+    zero0 = cost.estimate(make(world=2, dp=2, zero=0), cluster()).ranks[0].memory
+    zero3 = cost.estimate(make(world=2, dp=2, zero=3), cluster()).ranks[0].memory
+    assert zero3.params * 2 == pytest.approx(zero0.params, abs=8)
+    assert zero3.optimizer * 2 == pytest.approx(zero0.optimizer, abs=16)
+    assert zero3.buckets == mem.zero3_transient_bytes(make().model, 1, 4) > 0
