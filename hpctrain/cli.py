@@ -52,6 +52,9 @@ OVERRIDES = {
     "async_save": "train.async_save",
     "stall_timeout": "train.stall_timeout",
     "max_skipped_steps": "train.max_skipped_steps",
+    "recompute": "train.recompute",
+    "recompute_pieces": "train.recompute_pieces",
+    "memory_report": "train.memory_report",
     "eval_split": "data.eval_split",
     "fold": "data.fold",
 }
@@ -146,6 +149,18 @@ def _int_list(value: str, name: str) -> list[int]:
 @click.option("--stall-timeout", type=float, metavar="SECONDS",
               help="Abort the job, naming the late ranks and what the others wait in, when a "
                    "step takes longer than this (0: never; default 300).")
+@click.option("--recompute", type=click.Choice(["none", "full", "selective"]),
+              help="Activation recomputation: keep each piece's input and run its forward "
+                   "again in backward (full), or recompute attention's probabilities only "
+                   "(selective).")
+@click.option("--recompute-pieces", metavar="NAMES",
+              callback=lambda ctx, param, value: None if value is None
+              else tuple(v.strip() for v in value.split(",") if v.strip()),
+              help="Pieces to recompute, by commas: first, middle.K, middle, last "
+                   "(default: every middle piece, the GPT's blocks).")
+@click.option("--memory-report/--no-memory-report", default=None,
+              help="Trace allocations and print each rank's peak memory by term next to "
+                   "the planner's prediction (slows the traced steps).")
 @click.option("--max-skipped-steps", type=int,
               help="Stop the run after this many consecutive steps with a non-finite loss "
                    "or gradient norm (each is skipped: no update).")

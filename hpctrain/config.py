@@ -209,6 +209,18 @@ class TrainConfig:
     max_skipped_steps: int = 5  # consecutive non-finite steps skipped before the run stops
     stall_timeout: float = 300.0  # seconds a step may take before the job is aborted; 0: off
     async_save: bool = False  # write checkpoints from a background thread while training
+    # checkpoint data: "files" (one per rank), "mpio" (one shared file through MPI-IO:
+    # h5py built with MPI), "auto" (mpio when h5py has MPI and the job several ranks)
+    checkpoint_io: str = "auto"
+    # activation recomputation (hpctrain.parallel.recompute): "none", "full" (keep each
+    # piece's input, run its forward again in backward) or "selective" (attention's
+    # probabilities only); of the pipeline pieces named ("first", "middle.K", "middle",
+    # "last"), or every middle piece when empty
+    recompute: str = "none"
+    recompute_pieces: tuple[str, ...] = ()
+    # memory report (hpctrain.memreport): trace allocations, record each rank's peak by
+    # term next to the planner's prediction (tracing slows a step: opt-in)
+    memory_report: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,7 @@ class Config:
 
             check_sharding(self.model, par)
         _check_train(self.train, par)
+        _check_recompute(self.model, self.train)
         return replace(self, parallel=par)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -453,6 +466,26 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
              f"max_skipped_steps ({t.max_skipped_steps}) must be at least 1")
     _require(t.stall_timeout == 0 or t.stall_timeout >= 1,
              f"stall_timeout ({t.stall_timeout}) must be 0 (off) or at least 1 second")
+
+
+def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
+    """recompute's mode, and that every piece recompute_pieces names exists."""
+    from hpctrain.models.registry import model_class
+    from hpctrain.parallel import recompute
+
+    _require_choice("recompute", t.recompute, recompute.MODES)
+    if t.recompute == "none":
+        _require(not t.recompute_pieces, f"recompute_pieces ({list(t.recompute_pieces)}) "
+                                          f"needs recompute \"full\" or \"selective\"")
+        return
+    cls = model_class(m.kind)
+    costs = cls.piece_costs(m)
+    _require(costs is not None, f"recompute ({t.recompute!r}) works on pipeline pieces, "
+                                f"and the {cls.name} declares none: it must be \"none\"")
+    try:
+        recompute.select(t.recompute_pieces, len(costs.middle), cls.name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------

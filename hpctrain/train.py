@@ -330,6 +330,11 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ``after_step``: called on every rank after each step, outside its timing (the
     benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
     """
+    memory = None
+    if cfg.train.memory_report:  # traced from here: the engine's arrays included
+        from hpctrain.memreport import MemoryReport, chain
+
+        memory = MemoryReport(cfg, comm)
     topo = Topology.build(comm, cfg.parallel)
     nodes = topo.nodes
     threads = set_blas_threads(cfg.train.blas_threads
@@ -341,6 +346,9 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
 
     engine = build_engine(cfg, topo)
     dp = make_data_parallel(cfg, engine, topo)
+    if memory is not None:
+        memory.attach(engine, dp, topo)
+        after_step = chain(after_step, memory.after_step)
     t = cfg.train
     sched = schedule_of(cfg)  # lr_at's keyword arguments; a resumed run keeps its own
     resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
@@ -395,7 +403,11 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         if not quiet:
             ran = f"stopped after step {step} of {t.steps}" if preempted else f"{t.steps} steps"
             writer.say(f"done: {ran} in {seconds:.1f} s; metrics in {writer.path}")
+        if memory is not None and memory.last and not quiet:
+            writer.say(memory.table())
         writer.close()
+    if memory is not None:
+        memory.stop()
     topo.free()
     return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted)
 

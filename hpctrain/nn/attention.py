@@ -29,7 +29,7 @@ class AttentionCache(NamedTuple):
     q: np.ndarray  # (B, H, T, D), already scaled by 1/sqrt(D); views into the qkv output
     k: np.ndarray  # (B, H, T, D)
     v: np.ndarray  # (B, H, T, D)
-    p: np.ndarray  # (B, H, T, T) attention probabilities
+    p: np.ndarray | None  # (B, H, T, T) attention probabilities; None: recomputed
     proj: LinearCache
 
 
@@ -39,7 +39,15 @@ class CausalSelfAttention(Module):
     Backward, with ``dy`` the gradient of ``y = P v`` in ``(B, H, T, D)``:
     ``dv = P^T dy``, ``dP = dy v^T``, ``dS = P * (dP - rowsum(dP * P))``,
     ``dq = dS k / sqrt(D)``, ``dk = dS^T (q / sqrt(D))``.
+
+    ``recompute_scores`` (selective recomputation, ``hpctrain.parallel.recompute``):
+    forward drops ``P`` from the cache once ``y`` is computed, and backward computes it
+    again from the cached (scaled) ``q`` and ``k`` by the same products and the same
+    softmax, so the gradients are bitwise those of the kept ``P``. It saves
+    ``B H T^2`` elements a layer for one ``q k^T`` product and one softmax again.
     """
+
+    recompute_scores = False  # a class default; set per instance
 
     def __init__(self, d_model: int, n_head: int, *, rng: np.random.Generator,
                  dtype=np.float32, std: float = 0.02, proj_std: float | None = None):
@@ -67,13 +75,18 @@ class CausalSelfAttention(Module):
         products_over_rows(lambda *blocks: _attend(*blocks, mask, scale),
                            q, k, v, p, y.transpose(0, 2, 1, 3))
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
-        return out, AttentionCache(qkv_cache, q, k, v, p, proj_cache)
+        kept = None if self.recompute_scores else p  # selective: P is recomputed
+        return out, AttentionCache(qkv_cache, q, k, v, kept, proj_cache)
 
     def backward(self, dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
         # dout (B, T, C) -> dx (B, T, C)
         B, T, _ = dout.shape
         H, D = self.n_head, self.head_dim
         q, k, v, p = cache.q, cache.k, cache.v, cache.p
+        if p is None:  # selective recomputation: P again, exactly as forward made it
+            p = np.empty((B, H, T, T), dtype=q.dtype)
+            mask = _future_mask(T)
+            products_over_rows(lambda *blocks: _scores(*blocks, mask), q, k, p)
         dy = self.proj.backward(dout, cache.proj)  # (B, T, H D)
         dy = dy.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         dqkv = np.empty((B, T, 3, H, D), dtype=dout.dtype)
@@ -88,9 +101,15 @@ def _attend(q, k, v, p, y, mask, scale) -> None:
     # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
     # written in place; q is scaled in place (the cache keeps it scaled)
     q *= scale
+    _scores(q, k, p, mask)
+    np.matmul(p, v, out=y)
+
+
+def _scores(q, k, p, mask) -> None:
+    # a block of the batch: q (already scaled), k (b, H, T, D) -> p (b, H, T, T) in place;
+    # forward and selective recomputation both run this, so P is the same bits
     np.matmul(q, k.swapaxes(-1, -2), out=p)
     _causal_softmax(p, mask)
-    np.matmul(p, v, out=y)
 
 
 def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:

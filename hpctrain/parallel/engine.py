@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpctrain.models.build import build_model
+from hpctrain.parallel import recompute
 from hpctrain.parallel.local import LocalEngine
 from hpctrain.parallel.local_loss import LocalLossEngine
 from hpctrain.parallel.pipeline import PipelineEngine
@@ -71,6 +72,8 @@ def build_engine(cfg: Any, topo: Any):
                              topo.sp_comm)
     if topo.tp_size > 1:
         model = apply_tensor_parallel(model, cfg, topo.tp_comm)
+    # after tp (its layers' forwards are what is run again), before the stages are cut
+    recompute.apply(model, cfg.train.recompute, cfg.train.recompute_pieces)
     if topo.pp_size > 1:
         return PIPELINE_ENGINES[cfg.parallel.pipeline_training](model, cfg, topo)
     if topo.tp_size > 1:

@@ -53,6 +53,7 @@ from functools import lru_cache
 from hpctrain.config import Config, ModelConfig
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
+from hpctrain.plan.cluster import from_dict as cluster_from_dict
 
 GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
@@ -350,8 +351,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         params, grads, optim = mem.state_bytes(sizes, s, dp, par.zero, states, par.bucket_mb,
                                                practice.master_bytes)
         work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks, s)
-        if rc != "none":  # the block being recomputed holds its whole cache again
-            work += mem.block_activation_bytes(m, b, tp, sp, s)
+        work += mem.recompute_bytes(m, b, tp, sp, rc, s)  # what a backward makes again
         work = max(work, s * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
         if par.zero == 3:  # gathered pieces and one piece's whole gradient
@@ -394,6 +394,20 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     peak = sum(rpn * cluster.kinds[n].peak_rate(rpn) * count for n, count in cluster.nodes)
     return Estimate(cfg, world, rpn, step, t.batch_size * m.seq_len / step,
                     flops / step / peak, ranks, notes)
+
+
+def predict_memory(cfg: Config, practice: Practice = HPCTRAIN) -> list[mem.Memory]:
+    """Each pipeline rank's memory terms for a validated ``cfg`` without a cluster
+    description: ``estimate``'s on a nominal cluster (the memory terms read no rate)."""
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
+    kind = {"name": "nominal", "cores": 1, "memory_gib": 1024.0,
+            "gemm": {"1": [[64, 1e10], [2048, 1e11]]}, "stream": {"1": 1e10}}
+    line = {"latency_s": 1e-5, "bandwidth_Bps": 1e9}
+    links = {lvl: dict.fromkeys(("all_reduce", "all_gather", "reduce_scatter", "p2p"), line)
+             for lvl in ("intra", "inter")}
+    nominal = cluster_from_dict({"name": "nominal", "kinds": [kind], "links": links,
+                                 "nodes": [{"kind": "nominal", "count": world}]})
+    return [r.memory for r in estimate(cfg, nominal, practice=practice).ranks]
 
 
 def p2p_s(cluster: Cluster, nbytes: float, tp: int, sp: bool, inter: bool,

@@ -147,9 +147,21 @@ def chunk_activation_bytes(m: ModelConfig, b: int, tp: int, sp: bool, blocks: in
     total = blocks * kept_block_bytes(m, b, tp, sp, recompute, s)
     if last:
         total += head_activation_bytes(m, b, tp, sp, s)
-    if pipelined and not first:
-        total += boundary_bytes(m, b, tp, sp, s)
+    if pipelined and not first and not (recompute == "full" and blocks):
+        total += boundary_bytes(m, b, tp, sp, s)  # (full: the first block keeps it already)
     return total
+
+
+def recompute_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
+                    s: int | None = None) -> int:
+    """What a recomputed block's backward holds again beyond the workspace
+    (``parallel/recompute.py``): its whole cache (full), or its attention
+    probabilities P (b, H/t, T, T) (selective)."""
+    if recompute == "full":
+        return block_activation_bytes(m, b, tp, sp, s)
+    if recompute == "selective":
+        return (s or itemsize(m)) * b * m.n_head // tp * m.seq_len ** 2
+    return 0
 
 
 def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool,
