@@ -29,17 +29,18 @@ def test_every_zero_stage_at_dp_2_matches_one_rank(config_file):
     result, run_dir = run(config_file, 1)
     assert result.returncode == 0, result.stderr
     want = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").open()]
-    for zero in ("0", "1", "2"):
+    for zero in ("0", "1", "2", "3"):
         result, run_dir = run(config_file, 2, "--zero", zero)
         assert result.returncode == 0, result.stderr
         assert f"(zero {zero}): parameters" in result.stdout  # the memory line
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
         np.testing.assert_allclose([r["loss"] for r in records], want, rtol=1e-8,
                                    err_msg=f"--zero {zero}")
-        assert all(r["dp_buckets_early"] >= 0 and r["dp_wait_s"] >= 0 for r in records)
+        if zero != "3":  # ZeRO-3 has no gradient buckets: a unit is reduced when final
+            assert all(r["dp_buckets_early"] >= 0 and r["dp_wait_s"] >= 0 for r in records)
 
 
 def test_a_bad_zero_stage_names_the_rule(config_file):
-    result, _ = run(config_file, 1, "--zero", "3")
+    result, _ = run(config_file, 1, "--zero", "4")
     assert result.returncode == 2
-    assert "zero (3) must be 0, 1 or 2" in result.stderr
+    assert "zero (4) must be 0, 1, 2 or 3" in result.stderr
