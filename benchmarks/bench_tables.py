@@ -21,6 +21,12 @@ per rank, medians over the steps, so a planner can be fitted to them:
     sent / recv KB   all-to-all bytes of one step (forward and backward)
 
 with the load average before and after (compare shardings only within one run).
+
+``--plan``: the planner's check (``hpctrain.plan.tables``). The planner's rates are
+measured first in the same job (``tables_calibrate.measure_rates``), then the planner
+places the tables for ``--memory-gib`` per rank; that plan and the hand-written
+shardings above are each predicted and measured, and rank 0 prints per rank the
+predicted and measured forward + backward and step, and their ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -135,6 +142,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per sharding")
     ap.add_argument("--sharding", choices=list(SHARDINGS), action="append",
                     help="sharding(s) to time (default: all)")
+    ap.add_argument("--plan", action="store_true",
+                    help="calibrate, plan, and compare predicted with measured per rank")
+    ap.add_argument("--memory-gib", type=float, default=0.5,
+                    help="with --plan: memory per rank for the tables and their state")
     args = ap.parse_args()
     from mpi4py import MPI
 
@@ -148,6 +159,8 @@ def main() -> None:
     data = batches(warm + args.steps, args.batch * size, seed=0)
     mine = [(x[rank * args.batch:(rank + 1) * args.batch],
              y[rank * args.batch:(rank + 1) * args.batch]) for x, y in data]
+    if args.plan:
+        return compare(args, comm, mine, warm)
     if rank == 0:
         print(f"{size} ranks, {args.batch} samples per rank, dim {args.dim}, float32; "
               f"tables: MovieLens {', '.join(n for n, _, _ in MOVIELENS)} and hashed "
@@ -167,6 +180,49 @@ def main() -> None:
                       f"{g['sync'] * 1e3:>8.2f} {g['update'] * 1e3:>7.2f} "
                       f"{step * 1e3:>8.2f} {g['rows']:>6.0f} {g['sent'] / 1e3:>8.1f} "
                       f"{g['recv'] / 1e3:>8.1f} {g['held_mb']:>9.1f}", flush=True)
+    if rank == 0:
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def compare(args, comm, data, warm: int) -> None:
+    """``--plan``: rates measured here, the planner's choice and the hand-written
+    shardings, each predicted and measured (module docstring)."""
+    from hpctrain.parallel.tables import place_tables
+    from hpctrain.plan import tables as tp
+    from hpctrain.plan.tables_calibrate import measure_rates
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    base = config(size, args.batch, args.dim, "replicated")
+    load0 = os.getloadavg()[0]
+    rates = measure_rates(comm, base.model, args.batch, bag_fill=0.4)
+    work = tp.workload_of(base.model, args.batch, "rowwise_adagrad", bag_fill=0.4)
+    plan = tp.plan_tables(work, size, args.memory_gib * 2**30, rates)
+    if rank == 0:
+        print(f"{size} ranks, {args.batch} samples per rank, dim {args.dim}; load average "
+              f"{load0:.2f}; rates measured in this run: a2a {rates.a2a.latency_s * 1e6:.0f} "
+              f"us + {rates.a2a.bytes_per_s / 1e9:.2f} GB/s, dense "
+              f"{sum(rates.dense.values()) * 1e3:.2f} ms\nthe planner's choice for "
+              f"{args.memory_gib:g} GiB per rank:")
+        print(tp.format_prediction(plan.placements, work, plan.prediction, rates, size))
+        print(f"\n{'sharding':<11}{'rank':>4} {'pred f+b':>9} {'meas f+b':>9} "
+              f"{'pred step':>9} {'meas step':>9} {'meas/pred':>9}")
+    cases = {"planned": replace(base, parallel=replace(
+        base.parallel, table_sharding=tuple(plan.choices.values())))}
+    for name in args.sharding or list(SHARDINGS):
+        cases[name] = config(size, args.batch, args.dim, name)
+    for name, cfg in cases.items():
+        cfg = cfg.validate(size)
+        pred = tp.rank_costs(work, place_tables(cfg.model, cfg.parallel), rates, size)
+        got = measure(cfg, comm, data, warm)
+        every = comm.gather(got, root=0)
+        if rank == 0:
+            step = pred.step_s
+            for r, g in enumerate(every):
+                t = pred.ranks[r].time
+                fb = t["fwd"] + t["bwd"]
+                meas = g["fwd"] + g["bwd"] + g["sync"] + g["update"]
+                print(f"{name:<11}{r:>4} {fb * 1e3:>9.2f} {(g['fwd'] + g['bwd']) * 1e3:>9.2f} "
+                      f"{step * 1e3:>9.2f} {meas * 1e3:>9.2f} {meas / step:>9.2f}", flush=True)
     if rank == 0:
         print(f"load average after: {os.getloadavg()[0]:.2f}")
 

@@ -18,6 +18,7 @@ from hpctrain.crossval import cv_command
 from hpctrain.doctor import doctor_command
 from hpctrain.plan.calibrate import calibrate_command
 from hpctrain.plan.search import plan as plan_command
+from hpctrain.plan.tables_calibrate import calibrate_tables_command, plan_tables_command
 from hpctrain.plot_cli import plot
 from hpctrain.slurm.cli import slurm
 
@@ -244,11 +245,13 @@ def _plan(path: str | None) -> dict:
 
 main.add_command(bench_command)
 main.add_command(calibrate_command)
+main.add_command(calibrate_tables_command)
 main.add_command(ckpt)
 main.add_command(cv_command)
 main.add_command(doctor_command)
 main.add_command(cluster)
 main.add_command(plan_command)
+main.add_command(plan_tables_command)
 main.add_command(plot)
 main.add_command(slurm)
 

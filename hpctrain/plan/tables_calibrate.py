@@ -1,0 +1,480 @@
+"""The table planner's rates measured on this machine, and ``hpctrain plan-tables``.
+
+``measure_rates(comm, model, batch, ...)`` runs on every rank of ``comm`` at once (so
+the ranks share the cores and the memory bus as in training) and returns the ``Rates``
+of ``plan/tables.py``:
+
+    a2a, gather   one Alltoallv (Allgatherv) of 8 B to 128 KiB per rank pair, median of
+                  repeats; a least-squares line of seconds over the bytes a rank
+                  receives (latency_s, bytes_per_s)
+    route_s       the requester's split of n ids for one shard, per id
+    pool          ``parallel.tables._pool_sum`` of n random rows of a table in the
+                  last-level cache (256 KiB) and far beyond it (128 MiB), at dims 16
+                  and 64: a line over the row's bytes (row_s, byte_s)
+    grad          ``SparseGrad.add`` of n rows (a batch's, always cached)
+    update        the sparse optimizer's update of n distinct rows, both optimizers,
+                  cached and uncached tables
+    dense         a whole training step of the model at ``batch`` samples per rank with
+                  every table cut to 8 rows and replicated (the MLPs, interaction, bias
+                  tables, dense all-reduce and optimizer), forward, backward, sync and
+                  update apart, less the model's own prediction for those small tables
+
+``hpctrain calibrate-tables`` launches that job at each ``--ranks`` and writes a TOML
+file of ``[ranks.N]`` sections; ``hpctrain plan-tables`` reads it and plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from hpctrain.config import ConfigError, TableConfig, read_toml
+from hpctrain.plan import tables as tp
+
+RESULT_TAG = "TABLE_RATES "
+MESSAGES = (8, 1024, 16384, 131072)  # bytes per rank pair
+N_IDS = 8192
+CACHED_BYTES = 256 * 1024
+UNCACHED_BYTES = 128 * 2**20
+
+
+def _median_time(comm, fn, repeats: int) -> float:
+    """The median over repeats of the slowest rank's seconds for ``fn()``."""
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return comm.allreduce(statistics.median(times), op=_max())
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _line(xs: list[float], ts: list[float]) -> tp.Line:
+    slope, icept = np.polyfit(np.array(xs, float), np.array(ts, float), 1)
+    return tp.Line(max(float(icept), 1e-7), 1.0 / max(float(slope), 1e-13))
+
+
+def collective_lines(comm, repeats: int = 15) -> tuple[tp.Line, tp.Line]:
+    """(a2a, gather) lines over the bytes a rank receives (collective)."""
+    from hpctrain.parallel.tables import alltoallv
+
+    G = comm.Get_size()
+    if G == 1:
+        return tp.Line(0.0, 1e30), tp.Line(0.0, 1e30)
+    xs, a2a, gat = [], [], []
+    for m in MESSAGES:
+        parts = [np.ones(m // 4, np.float32) for _ in range(G)]
+        counts = [m // 4] * G
+        a2a.append(_median_time(comm, lambda p=parts, c=counts: alltoallv(
+            comm, p, np.float32, c), repeats))
+        mine = np.ones(m // 4, np.float32)
+        out = np.empty(G * (m // 4), np.float32)
+        gat.append(_median_time(comm, lambda a=mine, o=out, c=counts: comm.Allgatherv(
+            a, [o, c]), repeats))
+        xs.append(G * m)
+    return _line(xs, a2a), _line(xs, gat)
+
+
+def _rows_rate(per_row: dict[int, float], itemsize: int) -> tp.RowRate:
+    """A line through (dim 16, dim 64) seconds per row."""
+    (d0, t0), (d1, t1) = sorted(per_row.items())
+    byte_s = max((t1 - t0) / ((d1 - d0) * itemsize), 0.0)
+    return tp.RowRate(max(t0 - d0 * itemsize * byte_s, 0.0), byte_s)
+
+
+def kernel_rates(comm, itemsize: int = 4, repeats: int = 7) -> dict[str, Any]:
+    """route_s, pool, grad and update rates (every rank at once)."""
+    from hpctrain.nn.module import SparseGrad, SparseParameter
+    from hpctrain.optim.sparse import RowWiseAdaGrad, SparseAdam
+    from hpctrain.parallel.tables import _pool_sum
+
+    dtype = np.float32 if itemsize == 4 else np.float64
+    rng = np.random.default_rng(comm.Get_rank())
+    b = N_IDS
+    ids = rng.integers(0, 1 << 20, (b, 1))
+    route = _median_time(comm, lambda: np.concatenate(
+        [[b], ((ids >= 0) & (ids < 1 << 19)).sum(axis=1), ids[(ids >= 0) & (ids < 1 << 19)]]),
+        repeats) / b
+    pool: dict[str, dict[int, float]] = {"cached": {}, "uncached": {}}
+    update: dict[str, dict[int, float]] = {}
+    grad: dict[int, float] = {}
+    lens = np.ones(b, np.int64)
+    for dim in (16, 64):
+        g = rng.standard_normal((b, dim)).astype(dtype)
+        rows_of = rng.integers(0, 4096, b)
+        grad[dim] = _median_time(comm, lambda d=dim, r=rows_of, v=g: SparseGrad(
+            (4096, d), dtype).add(r, v), repeats) / b
+        for reg, nbytes in (("cached", CACHED_BYTES), ("uncached", UNCACHED_BYTES)):
+            rows = nbytes // (dim * itemsize)
+            W = np.full((rows, dim), 0.5, dtype)  # written: every page present
+            local = rng.integers(0, rows, b)
+            pool[reg][dim] = _median_time(comm, lambda w=W, i=local: _pool_sum(
+                w, i, lens, b), repeats) / b
+            uniq = np.unique(local)
+            gu = g[:len(uniq)]
+            for name, cls in (("rowwise_adagrad", RowWiseAdaGrad), ("adam", SparseAdam)):
+                opt = cls([("t", SparseParameter(W))], lr=1e-3)
+                opt.t = 1  # its state written at construction: every page present
+                t = _median_time(comm, lambda o=opt, w=W, u=uniq, v=gu: o._update(
+                    0, w, u, v, 1e-3), repeats) / len(uniq)
+                update.setdefault(f"{name}/{reg}", {})[dim] = t
+                del opt
+            del W
+    return {"route_s": route,
+            "pool": {k: _rows_rate(v, itemsize) for k, v in pool.items()},
+            "grad": {"cached": _rows_rate(grad, itemsize)},
+            "update": {k: _rows_rate(v, itemsize) for k, v in update.items()}}
+
+
+def dense_step(comm, model: Any, batch: int, *, optimizer: str, bag_fill: float,
+               steps: int = 8, warm: int = 2) -> dict[str, float]:
+    """Median seconds of each part of a training step (``plan.tables.TERMS``: forward,
+    backward, sync, update; the slowest rank's) of ``model`` with every table cut to 8
+    rows, replicated, ``batch`` samples per rank (collective)."""
+    from hpctrain.config import Config, ParallelConfig, TrainConfig
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.parallel.topology import Topology
+    from hpctrain.train import make_data_parallel
+
+    G = comm.Get_size()
+    small = replace(model, tables=tuple(replace(t, rows=min(t.rows, 8)) for t in model.tables))
+    cfg = Config(model=small, parallel=ParallelConfig(),
+                 train=TrainConfig(batch_size=batch * G, lr=1e-3, sparse_lr=0.02,
+                                   grad_clip=1.0, sparse_optimizer=optimizer)).validate(G)
+    topo = Topology.build(comm, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    rng = np.random.default_rng(comm.Get_rank())
+    times = []
+    for i in range(warm + steps):
+        x, y = synthetic_batch(small, batch, bag_fill, rng)
+        comm.Barrier()
+        dp.zero_grad()
+        t = [time.perf_counter()]
+        loss, cache = engine.model.forward(x, y)
+        t.append(time.perf_counter())
+        engine.model.backward(cache, dloss=1.0 / G)
+        t.append(time.perf_counter())
+        dp.finish_grads()
+        t.append(time.perf_counter())
+        dp.clip(cfg.train.grad_clip, dp.grad_norm())
+        dp.step(1e-3)
+        t.append(time.perf_counter())
+        if i >= warm:
+            times.append(np.diff(t))
+    topo.free()
+    med = np.median(np.array(times), axis=0)
+    worst = np.empty_like(med)
+    comm.Allreduce(med, worst, op=_max())
+    return dict(zip(tp.TERMS, worst.tolist(), strict=True))
+
+
+def synthetic_batch(model: Any, batch: int, bag_fill: float, rng) -> tuple[Any, Any]:
+    """x (structured: dense, ids) and y for ``model``: ids uniform over each table's
+    rows, a bag's slots filled with probability ``bag_fill`` (-1 otherwise)."""
+    K = sum(t.width for t in model.tables)
+    D = len(model.dense_features)
+    x = np.empty(batch, np.dtype([("dense", "<f8", (D,)), ("ids", "<i8", (K,))]))
+    x["dense"] = rng.random((batch, D))
+    cols = []
+    for t in model.tables:
+        c = rng.integers(0, t.rows, (batch, t.width))
+        if t.width > 1:
+            c[rng.random(c.shape) >= bag_fill] = -1
+        cols.append(c)
+    x["ids"] = np.concatenate(cols, axis=1)
+    return x, rng.integers(1, 6, batch).astype(np.float64)
+
+
+def measure_rates(comm, model: Any, batch: int, *, optimizer: str = "rowwise_adagrad",
+                  bag_fill: float = 1.0) -> tp.Rates:
+    """Every rate of ``plan/tables.py`` at ``comm``'s size (collective)."""
+    itemsize = 8 if model.dtype == "float64" else 4
+    load = open("/proc/loadavg").read().strip()
+    a2a, gather = collective_lines(comm)
+    k = kernel_rates(comm, itemsize)
+    rates = tp.Rates(comm.Get_size(), a2a, gather, k["route_s"], k["pool"], k["grad"],
+                     k["update"], cache_bytes(), {}, batch, load)
+    step = dense_step(comm, model, batch, optimizer=optimizer, bag_fill=bag_fill)
+    small = replace(model, tables=tuple(replace(t, rows=min(t.rows, 8)) for t in model.tables))
+    work = tp.workload_of(small, batch, optimizer, bag_fill)
+    G = comm.Get_size()
+    tables = tp.rank_costs(work, tp.place(work, G, {}), rates, G, dense=False).ranks[0]
+    return replace(rates, dense={k: max(step[k] - tables.time[k], 0.0) for k in tp.TERMS})
+
+
+def cache_bytes() -> int:
+    """The last-level cache's size (sysfs), 32 MiB when it cannot be read."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes = []
+    for f in base.glob("index*/size"):
+        text = f.read_text().strip()
+        sizes.append(int(text[:-1]) * 1024 if text.endswith("K") else int(text))
+    return max(sizes, default=32 * 2**20)
+
+
+# ---------------------------------------------------------------------------------
+# the rates file
+
+
+def to_toml(rates: list[tp.Rates], note: str) -> str:
+    def rr(r: tp.RowRate) -> str:
+        return f"{{ row_s = {r.row_s:.4e}, byte_s = {r.byte_s:.4e} }}"
+
+    lines = [f"# {line}" for line in note.splitlines()] + [""]
+    for r in rates:
+        s = f"ranks.{r.ranks}"
+        lines += [f"[{s}]", f'load = "{r.load}"',
+                  f"route_s = {r.route_s:.4e}", f"cache_bytes = {r.cache_bytes}",
+                  "dense = { " + ", ".join(f"{k} = {v:.4e}" for k, v in r.dense.items())
+                  + " }", f"dense_batch = {r.dense_batch}",
+                  f"a2a = {{ latency_s = {r.a2a.latency_s:.4e}, "
+                  f"bytes_per_s = {r.a2a.bytes_per_s:.4e} }}",
+                  f"gather = {{ latency_s = {r.gather.latency_s:.4e}, "
+                  f"bytes_per_s = {r.gather.bytes_per_s:.4e} }}",
+                  f"pool = {{ {', '.join(f'{k} = {rr(v)}' for k, v in r.pool.items())} }}",
+                  f"grad = {{ {', '.join(f'{k} = {rr(v)}' for k, v in r.grad.items())} }}",
+                  "update = { " + ", ".join(f'"{k}" = {rr(v)}' for k, v in r.update.items())
+                  + " }", ""]
+    return "\n".join(lines)
+
+
+def load_rates(path: str, ranks: int) -> tp.Rates:
+    return tp.rates_from_dict(read_toml(path, "table rates"), ranks, source=path)
+
+
+def rates_dict(r: tp.Rates) -> dict:
+    """``Rates`` as the raw dict ``rates_from_dict`` reads (the worker's JSON)."""
+    def rr(x):
+        return {"row_s": x.row_s, "byte_s": x.byte_s}
+
+    return {"a2a": r.a2a.__dict__, "gather": r.gather.__dict__, "route_s": r.route_s,
+            "pool": {k: rr(v) for k, v in r.pool.items()},
+            "grad": {k: rr(v) for k, v in r.grad.items()},
+            "update": {k: rr(v) for k, v in r.update.items()},
+            "cache_bytes": r.cache_bytes, "dense": r.dense,
+            "dense_batch": r.dense_batch, "load": r.load}
+
+
+# ---------------------------------------------------------------------------------
+# the model to plan: a config's tables, and optionally a large hashed one
+
+
+def model_of(config_path: str, hashed_rows: int) -> Any:
+    from hpctrain import config as config_mod
+
+    model = config_mod.load(config_path).model
+    if not model.tables:
+        raise ConfigError(f"{config_path}: model kind {model.kind!r} has no embedding tables")
+    if hashed_rows:
+        model = replace(model, tables=(*model.tables, TableConfig("hashed", hashed_rows)))
+    return model
+
+
+def worker(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="hpctrain.plan.tables_calibrate")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--hashed-rows", type=int, default=0)
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--optimizer", default="rowwise_adagrad")
+    ap.add_argument("--bag-fill", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    from mpi4py import MPI
+
+    from hpctrain.runtime import keep_freed_memory, set_blas_threads
+
+    keep_freed_memory()
+    set_blas_threads(1)
+    comm = MPI.COMM_WORLD
+    rates = measure_rates(comm, model_of(args.config, args.hashed_rows), args.batch,
+                          optimizer=args.optimizer, bag_fill=args.bag_fill)
+    if comm.Get_rank() == 0:
+        print(RESULT_TAG + json.dumps(rates_dict(rates)), flush=True)
+
+
+def run_job(launcher: str, ranks: int, argv: list[str], timeout: float) -> dict:
+    cmd = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
+           "hpctrain.plan.tables_calibrate", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise click.ClickException(f"the MPI job took more than {timeout:g} s and was "
+                                   f"killed: {shlex.join(cmd)}") from None
+    if proc.returncode != 0:
+        raise click.ClickException(f"the MPI job failed (exit status {proc.returncode}): "
+                                   f"{shlex.join(cmd)}")
+    for line in out.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    raise click.ClickException(f"the MPI job printed no result: {shlex.join(cmd)}")
+
+
+# ---------------------------------------------------------------------------------
+# the commands
+
+_model_options = [
+    click.option("--config", "config_path", required=True, type=click.Path(exists=True),
+                 help="The model's TOML config ([model] tables, embed_dim, dtype)."),
+    click.option("--hashed-rows", type=int, default=0, show_default=True,
+                 help="Add a table 'hashed' of this many rows (width 1) to the config's."),
+    click.option("--batch", type=int, default=1024, show_default=True,
+                 help="Samples per rank and step."),
+    click.option("--optimizer", type=click.Choice(tp.OPTIMIZERS),
+                 help="The tables' sparse optimizer (default: the config's [train] "
+                      "sparse_optimizer)."),
+    click.option("--bag-fill", type=float, default=0.4, show_default=True,
+                 help="Share of a bag's slots (width > 1) that hold an id."),
+]
+
+
+def model_options(fn):
+    for opt in reversed(_model_options):
+        fn = opt(fn)
+    return fn
+
+
+def _ranks(ctx, param, value: str) -> list[int]:
+    try:
+        got = [int(v) for v in value.split(",") if v]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} must be comma-separated integers") from None
+    if not got or min(got) < 1:
+        raise click.BadParameter(f"{value!r}: rank counts must be 1 or more")
+    return got
+
+
+DEFAULT_RATES = "configs/clusters/tables-this-machine.toml"
+
+
+@click.command("calibrate-tables")
+@model_options
+@click.option("--ranks", default="2,4", show_default=True, callback=_ranks,
+              help="Group sizes to measure at (one MPI job each).")
+@click.option("--out", default=DEFAULT_RATES, show_default=True,
+              help="The rates file to write.")
+@click.option("--mpiexec", default="mpiexec", show_default=True, help="MPI launcher.")
+@click.option("--timeout", type=float, default=600, show_default=True,
+              help="Seconds per MPI job before it is killed.")
+def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ranks,
+                             out, mpiexec, timeout) -> None:
+    """Measure the table planner's rates (all-to-all, gather, lookups, sparse updates,
+    the model's dense step) at each --ranks and write them to --out.
+
+    \b
+    Example:
+      hpctrain calibrate-tables --config configs/dlrm-movielens.toml \\
+          --hashed-rows 10000000 --ranks 2,4
+    """
+    optimizer = optimizer or _optimizer(config_path)
+    argv = ["--config", config_path, "--hashed-rows", str(hashed_rows), "--batch",
+            str(batch), "--optimizer", optimizer, "--bag-fill", str(bag_fill)]
+    got = []
+    for n in ranks:
+        click.echo(f"measuring at {n} ranks ...", err=True)
+        got.append(tp.rates_from_dict({"ranks": {str(n): run_job(mpiexec, n, argv, timeout)}},
+                                      n))
+    cmd = "hpctrain calibrate-tables " + shlex.join(sys.argv[2:])
+    Path(out).write_text(to_toml(got, f"Written by: {cmd}\n(seconds, bytes; "
+                                      f"hpctrain/plan/tables_calibrate.py)"))
+    click.echo(f"wrote {out}")
+    for r in got:
+        click.echo(f"  {r.ranks} ranks (load {r.load.split()[0]}): a2a "
+                   f"{r.a2a.latency_s * 1e6:.0f} us + {r.a2a.bytes_per_s / 1e9:.2f} GB/s, "
+                   f"pool {r.pool['cached'].time(1, 64) * 1e9:.0f}/"
+                   f"{r.pool['uncached'].time(1, 64) * 1e9:.0f} ns per row of 64 B, "
+                   f"dense {sum(r.dense.values()) * 1e3:.2f} ms")
+
+
+@click.command("plan-tables")
+@model_options
+@click.option("--ranks", type=int, required=True, help="Ranks in the table group.")
+@click.option("--memory-gib", type=float, required=True,
+              help="Memory per rank for the tables and their optimizer state, GiB.")
+@click.option("--rates", default=DEFAULT_RATES, show_default=True,
+              help="The rates file (hpctrain calibrate-tables).")
+@click.option("--out", help="Write the plan here (for hpctrain train --table-plan).")
+@click.option("--check", "check_path", type=click.Path(exists=True, dir_okay=False),
+              help="Instead of planning, cost this plan file (a hand-written one) and "
+                   "refuse it when it does not fit.")
+def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ranks,
+                        memory_gib, rates, out, check_path) -> None:
+    """Choose each embedding table's sharding: fit the memory per rank, balance the
+    predicted per-rank step; print the plan and its prediction.
+
+    \b
+    Example:
+      hpctrain plan-tables --config configs/dlrm-movielens.toml --hashed-rows 10000000 \\
+          --ranks 4 --memory-gib 2 --out plan.toml
+      mpiexec -n 4 hpctrain train --config ... --table-plan plan.toml
+    """
+    from hpctrain.parallel.tables import read_plan
+
+    try:
+        model = model_of(config_path, hashed_rows)
+        optimizer = optimizer or _optimizer(config_path)
+        work = tp.workload_of(model, batch, optimizer, bag_fill)
+        r = load_rates(rates, ranks)
+        limit = memory_gib * 2**30
+        if check_path:
+            over = read_plan(check_path)
+            group = over.get("parallel.table_group", 0) or ranks
+            if group != ranks:
+                raise ConfigError(f"{check_path}: group ({group}) is not --ranks ({ranks})")
+            choices = {s["name"] if isinstance(s, dict) else s.name: _sharding(s)
+                       for s in over["parallel.table_sharding"]}
+            placements = tp.place(work, ranks, choices,
+                                  default=over.get("parallel.table_default", "replicated"))
+            tp.check_plan(work, ranks, limit, placements)
+            pred = tp.rank_costs(work, placements, r, ranks)
+        else:
+            plan = tp.plan_tables(work, ranks, limit, r)
+            placements, pred = plan.placements, plan.prediction
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{len(work.tables)} tables, {ranks} ranks of {memory_gib:g} GiB, {batch} "
+               f"samples per rank, {optimizer}; rates {rates} (load then: {r.load})")
+    click.echo(tp.format_prediction(placements, work, pred, r, ranks))
+    if out and not check_path:
+        Path(out).write_text(plan.toml())
+        click.echo(f"wrote {out} (hpctrain train --table-plan {out})")
+
+
+def _optimizer(config_path: str) -> str:
+    from hpctrain import config as config_mod
+
+    return config_mod.load(config_path).train.sparse_optimizer
+
+
+def _sharding(raw: Any):
+    from hpctrain.config import TableSharding
+
+    if isinstance(raw, TableSharding):
+        return raw
+    return TableSharding(raw["name"], raw.get("sharding", "replicated"),
+                         tuple(raw.get("ranks", ())))
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1:])

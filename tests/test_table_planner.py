@@ -1,0 +1,181 @@
+"""The embedding-table planner without MPI (``hpctrain.plan.tables``): the cost model
+on hand-computed cases, the greedy's choices on toy tables, memory limits and their
+errors, the plan file read back by ``parallel.tables.read_plan``, and the command."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from hpctrain import config as config_mod
+from hpctrain.cli import main
+from hpctrain.config import TableSharding
+from hpctrain.parallel.tables import place_tables, read_plan
+from hpctrain.plan import tables as tp
+from hpctrain.plan.tables_calibrate import to_toml
+
+# round numbers, so that every expectation below is arithmetic by hand
+RATES = tp.Rates(
+    ranks=2, a2a=tp.Line(1e-4, 1e9), gather=tp.Line(2e-4, 1e9), route_s=0.0,
+    pool={"cached": tp.RowRate(1e-8, 0.0), "uncached": tp.RowRate(1e-7, 0.0)},
+    grad={"cached": tp.RowRate(2e-8, 0.0)},
+    update={"rowwise_adagrad/cached": tp.RowRate(3e-8, 0.0),
+            "rowwise_adagrad/uncached": tp.RowRate(3e-7, 0.0),
+            "adam/cached": tp.RowRate(5e-8, 0.0), "adam/uncached": tp.RowRate(5e-7, 0.0)},
+    cache_bytes=2**20, dense={"fwd": 1e-3, "bwd": 2e-3, "sync": 0.0, "update": 0.0},
+    dense_batch=100)
+
+
+def work(*tables, batch=100, optimizer="rowwise_adagrad"):
+    return tp.Workload(tuple(tp.TableLoad(n, r, 4, ids) for n, r, ids in tables), batch, 4,
+                       optimizer)
+
+
+def test_distinct_rows_of_uniform_draws():
+    assert tp.distinct(1, 50) == 1.0
+    assert tp.distinct(10, 1) == pytest.approx(1.0)
+    assert tp.distinct(10, 10) == pytest.approx(10 * (1 - 0.9**10))
+    assert tp.distinct(10**7, 1000) == pytest.approx(1000, rel=1e-3)
+    assert tp.distinct(5, 0) == 0.0
+
+
+def test_a_replicated_table_by_hand():
+    w = work(("t", 1000, 1.0))  # 1000 x 4 float32: 16 KB, cached
+    pred = tp.rank_costs(w, tp.place(w, 2, {}), RATES, 2, dense=False)
+    r = pred.ranks[0]
+    assert r.time["fwd"] == pytest.approx(100 * 1e-8)  # 100 ids pooled
+    assert r.time["bwd"] == pytest.approx(100 * 2e-8)  # added to the SparseGrad
+    u = 1000 * (1 - (1 - 1 / 1000) ** 200)  # the global batch's distinct rows
+    assert r.time["update"] == pytest.approx(u * 3e-8)
+    u1 = 1000 * (1 - (1 - 1 / 1000) ** 100)  # one rank's, gathered from both
+    gathered = 2 * u1 * (8 + 16)
+    assert r.time["sync"] == pytest.approx(3 * 2e-4 + gathered / 1e9 + 2 * u1 * 2e-8)
+    assert r.memory == (4000 + 1000) * 4  # the table and AdaGrad's value per row
+    assert pred.step_s == pytest.approx(r.own_s)
+
+
+def test_a_row_wise_table_by_hand():
+    w = work(("t", 10**6, 1.0))  # 16 MB: the shards of 8 MB are past the 1 MiB cache
+    pred = tp.rank_costs(w, tp.place(w, 2, {"t": TableSharding("t", "row")}), RATES, 2,
+                         dense=False)
+    r = pred.ranks[1]
+    # owner of half the rows: half of both ranks' 100 ids each
+    assert r.time["fwd"] - r.comm_s * 0 == pytest.approx(
+        100 * 1e-7 + 1e-4 + (1e-4 + 2 * (1 + 100 + 50) * 8 / 1e9)
+        + (1e-4 + 2 * 100 * 16 / 1e9))
+    assert r.time["bwd"] == pytest.approx(100 * 2e-8 + 1e-4 + 2 * 100 * 16 / 1e9)
+    assert r.time["update"] == pytest.approx(tp.distinct(500_000, 100) * 3e-7)
+    assert r.time["sync"] == 0.0
+    assert r.memory == (500_000 * 4 + 500_000) * 4
+    assert r.comm_s == pytest.approx(4e-4 + (2 * 151 * 8 + 2 * 2 * 100 * 16) / 1e9)
+
+
+def test_the_dense_part_scales_with_the_batch():
+    w = work(("t", 10, 1.0), batch=200)
+    r = tp.rank_costs(w, tp.place(w, 2, {}), RATES, 2).ranks[0]
+    bare = tp.rank_costs(w, tp.place(w, 2, {}), RATES, 2, dense=False).ranks[0]
+    assert r.time["fwd"] - bare.time["fwd"] == pytest.approx(2e-3)
+    assert r.time["bwd"] - bare.time["bwd"] == pytest.approx(4e-3)
+
+
+def test_adam_state_is_two_values_per_element():
+    w = work(("t", 1000, 1.0), optimizer="adam")
+    p = tp.place(w, 2, {"t": TableSharding("t", "table", (1,))})["t"]
+    assert tp.memory_bytes(p, 1, 4, "adam") == 3 * 4000 * 4
+    assert tp.memory_bytes(p, 0, 4, "adam") == 0
+
+
+def test_the_greedy_shards_the_huge_table_and_replicates_the_tiny_ones():
+    w = work(("huge", 10**7, 1.0), ("small", 8, 1.0), ("bag", 20, 2.4), ("mid", 2000, 1.0))
+    # the huge table replicated needs 200 MB a rank: 150 MB forbids it, row-wise fits
+    plan = tp.plan_tables(w, 2, 150e6, RATES)
+    assert plan.choices["huge"].sharding == "row"
+    assert plan.choices["small"].sharding == "replicated"
+    assert plan.choices["bag"].sharding == "replicated"
+    assert plan.prediction.max_memory <= 150e6
+    assert list(plan.choices) == ["huge", "small", "bag", "mid"]  # the model's order
+    # with memory to spare the huge table is still not replicated: its update of the
+    # global batch's rows, uncached, and the gather cost more than the exchanges
+    roomy = tp.plan_tables(w, 2, 10e9, RATES)
+    assert roomy.choices["small"].sharding == "replicated"
+
+
+def test_the_greedy_balances_table_wise_tables_over_the_ranks():
+    slow = tp.Rates(**{**RATES.__dict__, "a2a": tp.Line(1e-9, 1e12),
+                       "update": {k: tp.RowRate(1e-6, 0.0) for k in RATES.update}})
+    w = work(("a", 10**5, 1.0), ("b", 10**5, 1.0), batch=1000)
+    plan = tp.plan_tables(w, 2, 1e9, slow)
+    kinds = {n: (s.sharding, s.ranks) for n, s in plan.choices.items()}
+    # the costly replicated update pushes both to shards; two tables, two ranks
+    assert {k for k, _ in kinds.values()} <= {"table", "row", "column"}
+    own = [r.own_s for r in plan.prediction.ranks]
+    assert max(own) - min(own) <= 0.2 * max(own)
+
+
+def test_a_table_that_fits_nowhere_is_named_with_its_bytes_and_the_closest_miss():
+    w = work(("huge", 10**7, 1.0), ("small", 8, 1.0))
+    with pytest.raises(tp.PlanError) as e:
+        tp.plan_tables(w, 2, 50e6, RATES)  # row-wise would need 100 MB a rank
+    text = str(e.value)
+    assert "table 'huge'" in text and "10,000,000 x 4" in text
+    assert "190.73 MiB" in text  # 10^7 x (4 + 1) x 4 bytes
+    assert "47.68 MiB each" in text and "row-wise" in text and "95.37 MiB" in text
+
+
+def test_a_hand_written_plan_over_the_memory_names_the_rank_and_the_tables():
+    w = work(("huge", 10**7, 1.0), ("small", 8, 1.0))
+    placed = tp.place(w, 2, {"huge": TableSharding("huge", "table", (1,))})
+    tp.check_plan(w, 2, 300e6, placed)
+    with pytest.raises(tp.PlanError, match=r"group rank 1 holds 190.74 MiB .* table 'huge' "
+                                           r"\(table-wise\)"):
+        tp.check_plan(w, 2, 100e6, placed)
+
+
+def test_the_plan_file_reads_back_as_the_same_placement(tmp_path):
+    cfg = config_mod.load("configs/dlrm-movielens.toml")
+    w = tp.workload_of(cfg.model, 256, "adam", 0.3)
+    plan = tp.plan_tables(w, 2, 2**30, RATES)
+    path = tmp_path / "plan.toml"
+    path.write_text(plan.toml())
+    again = config_mod.load("configs/dlrm-movielens.toml", read_plan(str(path))).validate(2)
+    assert place_tables(again.model, again.parallel) == plan.placements
+
+
+def test_workload_of_a_config_counts_a_bags_filled_slots():
+    cfg = config_mod.load("configs/dlrm-movielens.toml")
+    w = tp.workload_of(cfg.model, 64, "adam", 0.5)
+    genres = {t.name: t for t in w.tables}["genres"]
+    assert genres.ids == 3.0 and genres.dim == 32 and w.itemsize == 4
+
+
+def test_the_rates_file_reads_back():
+    text = to_toml([RATES], "a note")
+    import tomllib
+
+    back = tp.rates_from_dict(tomllib.loads(text), 2)
+    assert back.a2a == RATES.a2a and back.update == RATES.update
+    assert math.isclose(back.dense["bwd"], 2e-3)
+    with pytest.raises(config_mod.ConfigError, match="no rates measured at 4 ranks"):
+        tp.rates_from_dict(tomllib.loads(text), 4)
+
+
+def test_plan_tables_command_prints_writes_and_refuses(tmp_path):
+    rates = tmp_path / "rates.toml"
+    rates.write_text(to_toml([RATES], "test"))
+    out = tmp_path / "plan.toml"
+    args = ["plan-tables", "--config", "configs/dlrm-movielens.toml", "--hashed-rows",
+            "10000000", "--ranks", "2", "--rates", str(rates), "--optimizer",
+            "rowwise_adagrad"]
+    got = CliRunner().invoke(main, [*args, "--memory-gib", "1", "--out", str(out)])
+    assert got.exit_code == 0, got.output
+    assert "hashed       row" in got.output and "predicted step" in got.output
+    assert 'name = "hashed"\nsharding = "row"' in out.read_text()
+    # 1 GiB forbids replicating the 1.2 GiB table; the plan checked, then at too little
+    got = CliRunner().invoke(main, [*args, "--memory-gib", "1", "--check", str(out)])
+    assert got.exit_code == 0, got.output
+    got = CliRunner().invoke(main, [*args, "--memory-gib", "0.5", "--check", str(out)])
+    assert got.exit_code != 0 and "table 'hashed' (row-wise)" in got.output
+    got = CliRunner().invoke(main, [*args, "--memory-gib", "0.2"])
+    assert got.exit_code != 0 and "table 'hashed' (10,000,000 x 32" in got.output
