@@ -88,6 +88,23 @@ def strategies(sync_steps: int, every: int = 16) -> list[Strategy]:
                                             "--outer-momentum", "0.9"))]
 
 
+def unequal_strategies(every: int = 16, steps_a_round: int = 4) -> list[Strategy]:
+    """On nodes of unequal speed: equal batches against speed-proportional ones, for
+    synchronous training and for local SGD. Local SGD takes ``steps_a_round`` local
+    steps a round (``--microbatches``: a step is one unit of B / (dp x microbatches)
+    samples, so that shares can move by a unit), meeting every ``every`` rounds: with
+    equal fixed shares it is plain local SGD, with measured shares throughput-weighted
+    local SGD (``parallel/weighted.py``: the faster rank takes more of the steps)."""
+    local = ("--averaging", "periodic", "--average-every", str(every),
+             "--microbatches", str(steps_a_round))
+    return [Strategy("sync, equal", ("--averaging", "sync", "--shares", "equal"), local=False),
+            Strategy("sync, measured", ("--averaging", "sync", "--shares", "measured"),
+                     local=False),
+            Strategy(f"local SGD H={every}, equal", (*local, "--shares", "fixed",
+                                                      "--batch-shares", "EQUAL")),
+            Strategy(f"weighted H={every}", (*local, "--shares", "measured"))]
+
+
 # ---------------------------------------------------------------------------------
 # one training run on a cluster
 
@@ -228,19 +245,31 @@ def summarise(label: str, run: dict, steps: int, target: float | None) -> dict:
 
 
 def bench_strategies(link: str, model: str, steps: int, factor: float, eval_every: int,
-                     sync_steps: int, data: str, out: Path, log, nodes: int = 2) -> dict:
+                     sync_steps: int, data: str, out: Path, log, nodes: int = 2,
+                     cpu_shares: tuple[float, ...] | None = None,
+                     chosen: list[Strategy] | None = None) -> dict:
+    """Each strategy (``chosen``, default ``strategies(sync_steps)``; the first is the
+    reference, synchronous) trained on one cluster of ``nodes`` one-core nodes (CPU
+    shares ``cpu_shares``, default all 1.0) at ``link``."""
     from hpctrain.cluster import lifecycle
 
+    cpu_shares = cpu_shares or (1.0,) * nodes
+    chosen = chosen or strategies(sync_steps)
     long_steps = int(round(steps * factor / eval_every)) * eval_every
     rows, target = [], None
-    with lifecycle.running(_spec(link, (1.0,) * nodes), log=lambda _: None) as cl:
-        for s in strategies(sync_steps):
+    tag = "" if set(cpu_shares) == {1.0} else "-" + "-".join(map(str, cpu_shares))
+    with lifecycle.running(_spec(link, cpu_shares), log=lambda _: None) as cl:
+        for s in chosen:
             n = long_steps if s.local else steps
-            folder = out / f"{link}-{s.label.replace(' ', '-').replace('=', '')}"
+            name = s.label.replace(' ', '-').replace('=', '').replace(',', '')
+            folder = out / f"{link}{tag}-{name}"
             config = write_config(folder, model, n, eval_every, data)
-            row = summarise(s.label, train_on(cl, config, s.cli()), steps, target)
-            if not s.local:
-                target = row["val_loss_at_n"]  # sync's loss at step N: the others' goal
+            batch = MODELS[model]["train"]["batch_size"]
+            flags = [",".join([str(batch // nodes)] * nodes) if f == "EQUAL" else f
+                     for f in s.cli()]
+            row = summarise(s.label, train_on(cl, config, flags), steps, target)
+            if target is None:
+                target = row["val_loss_at_n"]  # the reference's loss at step N: the goal
                 row.update(time_to_target_s=row["time_at_n_s"],
                            bytes_to_target=row["dp_bytes_per_step"] * steps,
                            step_to_target=steps)
@@ -255,7 +284,7 @@ def bench_strategies(link: str, model: str, steps: int, factor: float, eval_ever
         r["speedup_to_target"] = sync_time / t if t else None
     return {"link": link, "model": model, "steps": steps, "local_steps": long_steps,
             "eval_every": eval_every, "target_val_loss": target, "rows": rows,
-            "nodes": nodes}
+            "nodes": nodes, "cpu_shares": list(cpu_shares)}
 
 
 def plot_strategies(result: dict, out: Path) -> list[Path]:
@@ -282,7 +311,10 @@ def plot_strategies(result: dict, out: Path) -> list[Path]:
         ax.legend()
         ax.set_title(f"{result['model']} GPT, {result.get('nodes', 2)} nodes x 1 core at "
                      f"{result['link']}")
-        path = out / f"loss-vs-{'time' if key == 'time_s' else 'bytes'}-{result['link']}.png"
+        shares = result.get("cpu_shares") or [1.0]
+        tag = "" if set(shares) == {1.0} else "-cpu" + "-".join(map(str, shares))
+        path = out / (f"loss-vs-{'time' if key == 'time_s' else 'bytes'}-{result['link']}"
+                      f"{tag}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -367,10 +399,13 @@ def bench_shares(model: str, steps: int, rounds: int, period_us: int, data: str,
 def report(results: dict) -> str:
     lines = []
     for res in results.get("strategies", []):
-        lines += [f"strategies: {res['model']} GPT, {res.get('nodes', 2)} nodes x 1 rank at "
-                  f"{res['link']}; sync "
-                  f"{res['steps']} steps, the others {res['local_steps']}; target = sync's "
-                  f"val loss at step {res['steps']}: {res['target_val_loss']:.4f}",
+        shares = res.get("cpu_shares") or [1.0]
+        lines += [f"strategies: {res['model']} GPT, {res.get('nodes', 2)} nodes x 1 rank "
+                  + (f"(CPU shares {'/'.join(map(str, shares))}) "
+                     if set(shares) != {1.0} else "")
+                  + f"at {res['link']}; synchronous runs "
+                  f"{res['steps']} steps, local ones {res['local_steps']}; target = the first "
+                  f"row's val loss at step {res['steps']}: {res['target_val_loss']:.4f}",
                   f"  {'strategy':<22} {'MB/step':>8} {'port MB/step':>12} {'ms/step':>8} "
                   f"{'val@' + str(res['steps']):>8} {'best val':>8} {'to target s':>11} "
                   f"{'step':>5} {'vs sync':>8} {'cores got':>10} {'load':>10}"]
@@ -416,7 +451,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/bench-averaging", help="folder for JSON, PNGs")
     parser.add_argument("--parts", default="strategies,shares",
-                        help="comma-separated parts to run (strategies, shares)")
+                        help="comma-separated parts to run (strategies, shares, unequal: "
+                             "equal and measured batch shares, sync and periodic "
+                             "averaging, on nodes of CPU shares 1.0 and 0.5 at the first "
+                             "link)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
                         help="small: configs/gpt-shakespeare.toml's GPT; bench: hpctrain "
                              "bench's (6 layers, d_model 384, T 256)")
@@ -466,6 +504,13 @@ def main() -> None:
             results["strategies"].append(res)
             res["plots"] = [str(p) for p in plot_strategies(res, out)]
             (out / "bench-averaging.json").write_text(json.dumps(results, indent=2))
+    if "unequal" in parts:
+        link = args.links.split(",")[0]
+        res = bench_strategies(link, args.model, args.steps, args.local_factor,
+                               args.eval_every, args.sync_steps, args.data, out, log, 2,
+                               cpu_shares=(1.0, 0.5), chosen=unequal_strategies())
+        results.setdefault("strategies", []).append(res)
+        res["plots"] = [str(p) for p in plot_strategies(res, out)]
     if "shares" in parts:
         extra = () if args.bucket_mb is None else ("--bucket-mb", str(args.bucket_mb))
         results["shares"] = [bench_shares(args.model, args.share_steps, args.rounds, int(p),
