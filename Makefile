@@ -16,7 +16,8 @@ TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 
 .DEFAULT_GOAL := help
 .PHONY: help install system-deps data demo bench bench-cluster bench-averaging plot test test-serial test-mpi \
-        test-cluster test-cluster-if-root test-slurm cluster-down lint clean
+        test-cluster test-cluster-if-root test-slurm cluster-down lint clean \
+        install-system-mpi test-system-mpi bench-mpio
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -72,7 +73,7 @@ test: install test-serial test-mpi test-cluster-if-root ## serial suite, MPI sui
 
 test-serial: install
 	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/mpi --ignore=tests/slurm \
-	  --ignore=tests/cluster -q --timeout=$(TEST_TIMEOUT)
+	  --ignore=tests/cluster --ignore=tests/system_mpi -q --timeout=$(TEST_TIMEOUT)
 
 test-mpi: install
 	@for n in $(RANKS); do \
@@ -82,7 +83,7 @@ test-mpi: install
 	done
 
 # the clusters the suites build (tests/cluster, tests/slurm); removed after them, pass or fail
-TEST_CLUSTERS := hpctest hpctcpu hpctkill hpctbad hpctslm
+TEST_CLUSTERS := hpctest hpctcpu hpctkill hpctbad hpctslm hpctpcal
 
 test-cluster: install ## MPI across emulated nodes, SLURM on two nodes (root; installs slurm)
 	@echo "== emulated cluster suite (tests/cluster, tests/slurm)"
@@ -102,6 +103,69 @@ test-cluster-if-root: install
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory test-cluster; \
 	else echo "== emulated cluster and SLURM suites not run: they need root (network namespaces, cgroups; run: sudo make test-cluster)"; fi
 
+# A system MPI, as on a cluster: Debian's MPICH or Open MPI and its parallel HDF5, with
+# mpi4py and h5py built against them, in a venv of its own (.venv-mpich, .venv-openmpi)
+# that never holds the pip MPICH wheel (one process must not load two MPI libraries).
+MPI       ?= mpich
+SYS_VENV  := .venv-$(MPI)
+SYS_RANKS ?= 2 4
+SYS_PIP_CACHE ?= $(HOME)/.cache/hpctrain-pip
+MPI_APT_mpich    := mpich libmpich-dev libhdf5-mpich-dev
+MPI_APT_openmpi  := openmpi-bin libopenmpi-dev libhdf5-openmpi-dev
+# Open MPI refuses root without these, and more ranks than cores without oversubscription
+MPI_ENV_openmpi  := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+                    OMPI_MCA_rmaps_base_oversubscribe=1
+CHECK_MPI = case "$(MPI)" in mpich|openmpi) ;; *) echo "MPI ($(MPI)) must be mpich or openmpi" >&2; exit 2;; esac
+
+install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py and h5py built on them, in .venv-MPI
+	@$(CHECK_MPI)
+	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
+
+.venv-%/.installed: setup.py
+	@case "$*" in mpich|openmpi) ;; *) echo "MPI ($*) must be mpich or openmpi" >&2; exit 2;; esac
+	@if ! dpkg -s $(MPI_APT_$*) >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends \
+	    $(MPI_APT_$*) pkg-config; \
+	fi
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/pip install --quiet --upgrade pip
+	.venv-$*/bin/pip install --quiet 'Cython>=3' pkgconfig 'setuptools>=77' wheel 'numpy>=1.26'
+	@# against the system MPI, not a wheel: mpicc of that MPI compiles and links them
+	@# pip keeps the wheels it built in a cache of this MPI's own (one shared cache would
+	@# hand the other MPI's build to the next venv): a rebuild takes seconds, not minutes
+	MPICC=/usr/bin/mpicc.$* .venv-$*/bin/pip install --quiet --no-binary=mpi4py \
+	  --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/$* mpi4py
+	HDF5_MPI=ON CC=/usr/bin/mpicc.$* HDF5_PKGCONFIG_NAME=hdf5-$* .venv-$*/bin/pip install \
+	  --quiet --no-binary=h5py --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/$* h5py
+	.venv-$*/bin/pip install --quiet -e '.[test,plot]'
+	@# the launcher beside the venv's Python, as the MPICH wheel puts it in .venv (a
+	@# script, not a link: hydra finds its proxy beside the path it was started as)
+	printf '#!/bin/sh\n# the launcher of the MPI this venv was built against\nexec %s "$$@"\n' \
+	  /usr/bin/mpiexec.$* > .venv-$*/bin/mpiexec && chmod +x .venv-$*/bin/mpiexec
+	$(MPI_ENV_$*) .venv-$*/bin/hpctrain doctor --expect-mpi $* --require-parallel-hdf5
+	touch $@
+
+test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks and the mpio tests, under that MPI
+	@$(CHECK_MPI)
+	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
+	@echo "== system $(MPI): serial checks (tests/system_mpi)"
+	@$(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) timeout $(MPI_RUN_TIMEOUT) \
+	  $(SYS_VENV)/bin/python -m pytest tests/system_mpi --ignore=tests/system_mpi/mpi -q \
+	  -p no:cacheprovider --timeout=$(TEST_TIMEOUT)
+	@for n in $(SYS_RANKS); do \
+	  echo "== system $(MPI): MPI suite and mpio tests at $$n ranks"; \
+	  $(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) timeout $(MPI_RUN_TIMEOUT) \
+	    $(SYS_VENV)/bin/mpiexec -n $$n $(SYS_VENV)/bin/python -m mpi4py -m pytest --with-mpi \
+	    tests/mpi tests/system_mpi/mpi -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) \
+	    || exit 1; \
+	done
+
+bench-mpio: ## MPI=mpich|openmpi: checkpoint save/load through mpio, per-rank files and a raw write at 1, 2, 4 ranks
+	@$(CHECK_MPI)
+	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
+	$(MPI_ENV_$(MPI)) $(SYS_VENV)/bin/python benchmarks/bench_mpio.py --out runs/bench-mpio-$(MPI)
+
 cluster-down: ## remove every emulated cluster on this machine (root)
 	$(BIN)/hpctrain cluster down --all
 
@@ -109,4 +173,7 @@ lint: install ## ruff over the code and tests
 	$(BIN)/ruff check hpctrain data_prep tests benchmarks
 
 clean: ## remove the venv, prepared data and runs
-	rm -rf $(VENV) data runs *.egg-info
+	rm -rf $(VENV) .venv-mpich .venv-openmpi data runs *.egg-info
+
+cv-movielens: data/movielens.h5 ## five-fold cross-validated RMSE of the DLRM on MovieLens-100K, 2 ranks
+	$(MPIEXEC) -n 2 $(BIN)/hpctrain cv --config configs/dlrm-movielens.toml --folds 5 --run-dir runs/cv-movielens

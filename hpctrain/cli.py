@@ -51,6 +51,7 @@ OVERRIDES = {
     "save_interval": "train.save_interval",
     "keep": "train.keep_checkpoints",
     "async_save": "train.async_save",
+    "checkpoint_io": "train.checkpoint_io",
     "stall_timeout": "train.stall_timeout",
     "max_skipped_steps": "train.max_skipped_steps",
     "recompute": "train.recompute",
@@ -147,6 +148,10 @@ def _int_list(value: str, name: str) -> list[int]:
 @click.option("--async-save/--no-async-save", default=None,
               help="Copy the state in memory and write the checkpoint from a background "
                    "thread while training goes on (one write in flight).")
+@click.option("--checkpoint-io", type=click.Choice(["auto", "mpio", "files"]),
+              help="Checkpoint data as one file per rank (files), one shared file written "
+                   "through MPI-IO (mpio: needs h5py built with MPI), or mpio when h5py has "
+                   "MPI and the job several ranks (auto, the default).")
 @click.option("--stall-timeout", type=float, metavar="SECONDS",
               help="Abort the job, naming the late ranks and what the others wait in, when a "
                    "step takes longer than this (0: never; default 300).")

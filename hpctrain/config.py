@@ -460,6 +460,13 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
     _require(t.save_interval >= 0, f"save_interval ({t.save_interval}) must not be negative")
     _require(t.keep_checkpoints >= 1,
              f"keep_checkpoints ({t.keep_checkpoints}) must be at least 1")
+    _require_choice("checkpoint_io", t.checkpoint_io, ("auto", "mpio", "files"))
+    if t.checkpoint_io == "mpio":
+        from hpctrain.checkpoint.writer import MPIO_REMEDY, mpio_missing
+
+        missing = mpio_missing()
+        _require(missing is None, f"checkpoint_io (\"mpio\") needs h5py with MPI, but "
+                                  f"{missing}: {MPIO_REMEDY}")
     _require(t.blas_threads >= 0, f"blas_threads ({t.blas_threads}) must not be negative")
     _require(t.row_threads >= 0, f"row_threads ({t.row_threads}) must not be negative")
     _require(t.max_skipped_steps >= 1,

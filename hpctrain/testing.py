@@ -7,6 +7,7 @@ together and the message names the ranks that disagreed.
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -146,3 +147,39 @@ def run_train(ranks: int, config, run_dir, *flags: str, timeout: float = 120):
 
     return run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
                            str(config), "--run-dir", str(run_dir), *flags], timeout=timeout)
+
+# A training job that saves twice and SIGKILLs one rank at a writer event of the second
+# save: argv root, event, victim rank, the config as JSON (the kill tests).
+SAVE_AND_DIE = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    from mpi4py import MPI
+    from hpctrain.checkpoint import save_training
+    from hpctrain.config import from_dict
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.parallel.topology import Topology
+    from hpctrain.train import make_data_parallel, train_step
+
+    root, event, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    comm = MPI.COMM_WORLD
+    cfg = from_dict(json.loads(sys.argv[4])).validate(comm.Get_size())
+    topo = Topology.build(comm, cfg.parallel)
+    engine = build_engine(cfg, topo)
+    dp = make_data_parallel(cfg, engine, topo)
+    rng = np.random.default_rng(topo.dp_rank)
+
+    def step():
+        x, y = (rng.integers(0, 32, (2, 8)) for _ in range(2))
+        train_step(engine, dp, x, y, lr=1e-2, grad_clip=1.0)
+
+    def die(kind, path):
+        if kind == event and comm.Get_rank() == victim:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no flush: a dead node
+
+    step()
+    save_training(cfg, topo, engine, dp, step=1, loader_state={"step": 1}, root=root)
+    step()
+    save_training(cfg, topo, engine, dp, step=2, loader_state={"step": 2}, root=root,
+                  on_event=die)
+    print("the save finished: nobody was killed")
+""")

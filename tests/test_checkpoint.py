@@ -298,31 +298,6 @@ def test_consolidated_file_and_back_load_bitwise(saved, tmp_path):
         assert same(run.held(), held), source
 
 
-def test_the_parallel_hdf5_layout_reads_the_same(saved, tmp_path, monkeypatch):
-    """The shared-file writer with the driver arguments dropped (h5py here has no MPI):
-    each tensor one dataset of its global shape; the reader takes the same pieces."""
-    cfg, _, held = saved
-    run = Serial(cfg).train(2)
-    real = h5py.File
-    monkeypatch.setattr(writer.h5py, "File",
-                        lambda *a, driver=None, comm=None, **kw: real(*a, **kw))
-    items = held_tensors(run.engine, run.dp, 0, 1)
-    info = writer._describe(writer.held_key(items, 0))[1]
-    root = tmp_path / "shared"
-    tmp = writer.prepare(root, 2)
-    todo = tuple((h.name, seg) for h in items for seg in segments(h.sharding))
-    pieces, bad = writer._write_shared(tmp / fmt.SHARED_NAME, {h.name: h.array for h in items},
-                                       todo, info, 2, MPI.COMM_SELF, None, finite=True)
-    assert bad == []
-    entries = writer._index_entries([pieces], [info])
-    index = fmt.read_index(saved[1] / fmt.INDEX_NAME)
-    writer.commit(root, tmp, 2, index.meta, [fmt.SHARED_NAME], entries, keep=1)
-    monkeypatch.undo()
-    fresh = Serial(cfg)
-    fresh.load(root)
-    assert same(fresh.held(), run.held()) and not verify(root)[1]
-
-
 def test_reading_never_unpickles(saved, monkeypatch, tokens_h5):
     def refuse(*args, **kwargs):
         raise AssertionError("pickle used while reading")

@@ -11,7 +11,6 @@ next save removes the debris.
 
 import json
 import sys
-import textwrap
 
 import pytest
 from mpi4py import MPI
@@ -21,7 +20,7 @@ from hpctrain.checkpoint import format as fmt
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
-from hpctrain.testing import run_mpi
+from hpctrain.testing import SAVE_AND_DIE, run_mpi
 from hpctrain.train import make_data_parallel
 
 MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, dtype="float64")
@@ -33,39 +32,6 @@ def config(zero: int) -> Config:
                   train=TrainConfig(batch_size=4, steps=2))
 
 
-SAVE_AND_DIE = textwrap.dedent("""
-    import json, os, signal, sys
-    import numpy as np
-    from mpi4py import MPI
-    from hpctrain.checkpoint import save_training
-    from hpctrain.config import from_dict
-    from hpctrain.parallel.engine import build_engine
-    from hpctrain.parallel.topology import Topology
-    from hpctrain.train import make_data_parallel, train_step
-
-    root, event, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    comm = MPI.COMM_WORLD
-    cfg = from_dict(json.loads(sys.argv[4])).validate(comm.Get_size())
-    topo = Topology.build(comm, cfg.parallel)
-    engine = build_engine(cfg, topo)
-    dp = make_data_parallel(cfg, engine, topo)
-    rng = np.random.default_rng(topo.dp_rank)
-
-    def step():
-        x, y = (rng.integers(0, 32, (2, 8)) for _ in range(2))
-        train_step(engine, dp, x, y, lr=1e-2, grad_clip=1.0)
-
-    def die(kind, path):
-        if kind == event and comm.Get_rank() == victim:
-            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no flush: a dead node
-
-    step()
-    save_training(cfg, topo, engine, dp, step=1, loader_state={"step": 1}, root=root)
-    step()
-    save_training(cfg, topo, engine, dp, step=2, loader_state={"step": 2}, root=root,
-                  on_event=die)
-    print("the save finished: nobody was killed")
-""")
 
 KILL_POINTS = [("dataset", 1), ("file", 0), ("index", 0), ("renamed", 0)]
 

@@ -99,7 +99,7 @@ class BackgroundWriter:
 
     def save(self, root: str | Path, step: int, held: list[Held], meta: dict, world_comm, *,
              stage: int = 0, keep: int = 3, on_event=None, say=print,
-             finite: bool = False) -> Path:
+             finite: bool = False, io: str = "auto") -> Path:
         """Start writing the checkpoint of ``step`` (``writer.save``'s arguments) and
         return the folder it will have. Waits for the previous write first and raises
         its error. Collective over ``world_comm`` (the plan); the thread's collectives
@@ -112,7 +112,7 @@ class BackgroundWriter:
         self._snapshot_taken = threading.Event()
         self.capture_wait_s = 0.0
         args = (Path(root), step, held, planned, meta, keep, on_event, say, finite,
-                self._snapshot_taken)
+                self._snapshot_taken, io)
         self._thread = threading.Thread(target=self._write, args=args, daemon=True,
                                         name=f"hpctrain-checkpoint-{step}")
         self._thread.start()
@@ -165,7 +165,7 @@ class BackgroundWriter:
 
     def _write(self, root: Path, step: int, held: list[Held], planned: writer.Plan,
                meta: dict, keep: int, on_event, say, finite: bool,
-               taken: threading.Event) -> None:
+               taken: threading.Event, io: str) -> None:
         t0 = time.perf_counter()
         try:
             final = writer.write_planned(root, step, held, planned, meta, self.comm,
@@ -173,7 +173,7 @@ class BackgroundWriter:
                                          catch=(Exception,), finite=finite,
                                          capture=lambda: self._snapshot(held, planned,
                                                                         taken),
-                                         arrive=lambda: arrive(self.comm))
+                                         arrive=lambda: arrive(self.comm), io=io)
             self._outcome = (final, None)
         except BaseException as err:  # a CheckpointError on every rank, raised by wait()
             self._outcome = (None, err)

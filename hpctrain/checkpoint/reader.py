@@ -228,8 +228,8 @@ class Checkpoint:
             if not whole and dset.shape != entry.global_shape:  # shared or consolidated
                 raise CheckpointError(f"{where}: dataset {piece.dataset} has shape "
                                       f"{dset.shape}, the index says {box_shape(piece.box)}")
-            if out is not None and whole:
-                dset.read_direct(out)
+            if out is not None:  # the box, or its hyperslab of a shared file's dataset
+                dset.read_direct(out, None if whole else slices(piece.box))
                 data = out
             else:
                 data = dset[...] if whole else dset[slices(piece.box)]

@@ -92,7 +92,7 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
     save = writer.save if background is None else background.save
     return save(root, step, held, meta, comm, stage=topo.pp_rank,
                 keep=cfg.train.keep_checkpoints if keep is None else keep,
-                on_event=on_event, say=say, finite=True)
+                on_event=on_event, say=say, finite=True, io=cfg.train.checkpoint_io)
 
 
 def config_hint(saved: dict, cfg: Any) -> str:

@@ -51,7 +51,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -80,7 +80,6 @@ from hpctrain.checkpoint.reshard import (
     extract,
     region,
     segments,
-    slices,
     tiles,
 )
 from hpctrain.checkpoint.state import Held
@@ -89,9 +88,40 @@ from hpctrain.data.format import DataError, atomic_output, fsync_dir, fsync_path
 IOV_MAX = 1024  # buffers per pwritev/preadv call (Linux)
 
 
+CHECKPOINT_IO = ("auto", "mpio", "files")  # [train] checkpoint_io
+MPIO_REMEDY = ("build h5py against the parallel HDF5 of the MPI that mpi4py uses: "
+               "HDF5_MPI=ON CC=mpicc HDF5_DIR=<parallel HDF5 prefix> pip install "
+               "--no-binary=h5py --no-build-isolation h5py (Debian's libhdf5-mpich-dev or "
+               "libhdf5-openmpi-dev; `make install-system-mpi MPI=mpich|openmpi` does it "
+               "here), or save per-rank files: checkpoint_io = \"files\"")
+
+
 def parallel_hdf5() -> bool:
-    """Whether h5py was built with MPI (then every rank writes one shared file)."""
+    """Whether h5py was built with MPI (the ``mpio`` driver: one shared file)."""
     return bool(h5py.get_config().mpi)
+
+
+def mpio_missing() -> str | None:
+    """Why ``checkpoint_io = "mpio"`` cannot run here, or None if it can."""
+    if parallel_hdf5():
+        return None
+    return (f"h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}) was built without "
+            f"MPI (h5py.get_config().mpi is False)")
+
+
+def shared_file(io: str, size: int) -> bool:
+    """Whether a save over ``size`` ranks writes one shared file through MPI-IO:
+    ``"mpio"`` always (an error when h5py has no MPI), ``"files"`` never, ``"auto"``
+    when h5py has MPI and the job more than one rank."""
+    if io not in CHECKPOINT_IO:
+        raise ValueError(f"checkpoint_io ({io!r}) must be one of {', '.join(CHECKPOINT_IO)}")
+    if io == "mpio":
+        missing = mpio_missing()
+        if missing is not None:
+            raise CheckpointError(f"checkpoint_io ('mpio') needs h5py with MPI: {missing}; "
+                                  f"{MPIO_REMEDY}")
+        return True
+    return io == "auto" and size > 1 and parallel_hdf5()
 
 
 def all_ranks(comm, fn, what: str, catch: tuple = (OSError, DataError), arrive=None):
@@ -293,22 +323,62 @@ def _names(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))  # unique, in order
 
 
-def _write_shared(path: Path, arrays: dict[str, np.ndarray], todo: tuple, info: dict,
-                  step: int, comm, on_event, finite: bool = False) -> tuple[list, list[str]]:
-    """Parallel HDF5: one file, each tensor a dataset of its global shape, created by
-    every rank in the same order (collective); each rank writes its boxes."""
+def _write_shared(path: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int,
+                  comm, on_event, finite: bool = False) -> tuple[list, list[str]]:
+    """Parallel HDF5: one file for every rank, each tensor a dataset of its global shape.
+
+    Collective over ``comm``, every call in the same order on every rank: the file and
+    every dataset are made together (HDF5's metadata is collective), then each tensor is
+    written in ``planned.rounds[tensor]`` collective writes (MPI-IO two-phase I/O): in
+    round k a rank writes its k-th piece of the tensor, or an empty selection when it
+    has fewer (ranks holding no piece still take part). ``f.flush()`` makes every rank
+    ``MPI_File_sync`` its own writes (on a parallel file system a client's cache is its
+    own), rank 0 fsyncs what the close wrote. The pieces' checksums and finite check
+    are taken on the same contiguous copies that are written, so they equal the rank
+    files'. ``on_event("dataset")`` follows each tensor's writes; an error it raises on
+    one rank is raised there once the file is closed (that rank writes nothing more but
+    takes part in every collective), so no rank is left waiting in one."""
     pieces, bad = [], []
+    failed: Exception | None = None  # this rank's error: raised after the collectives
+    mine: dict[str, list] = {}
+    for name, seg in planned.todo:
+        mine.setdefault(name, []).append(seg)
+    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+    dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
     with h5py.File(path, "w-", driver="mpio", comm=comm) as f:
         f.attrs.update({"format": DATA, "version": VERSION, "step": step, "rank": -1})
-        for name, (dtype, shape, _, _) in info.items():
+        for name, (dtype, shape, _, _) in planned.shared.items():
             f.create_dataset(name, shape=shape, dtype=np.dtype(dtype))
-        for name, seg in todo:
-            data = extract(arrays[name], seg)
-            f[name][slices(seg.box)] = data
-            pieces.append((name, Piece(path.name, name, tuple(a for a, _ in seg.box),
-                                       tuple(b for _, b in seg.box), blocksum64(data))))
-            if finite and not all_finite(data):
-                bad.append(name)
+        for name, rounds in planned.rounds.items():
+            dset = f[name].id
+            segs = mine.get(name, []) if failed is None else []
+            for k in range(rounds):
+                fspace = dset.get_space()
+                if k < len(segs):
+                    data = extract(arrays[name], segs[k])
+                    box = segs[k].box
+                    if box:
+                        fspace.select_hyperslab(tuple(a for a, _ in box),
+                                                tuple(b - a for a, b in box))
+                    mspace = h5py.h5s.create_simple(data.shape or (1,))
+                    dset.write(mspace, fspace, data.reshape(data.shape or (1,)), dxpl=dxpl)
+                    pieces.append((name, Piece(path.name, name, tuple(a for a, _ in box),
+                                               tuple(b for _, b in box), blocksum64(data))))
+                    if finite and not all_finite(data):
+                        bad.append(name)
+                else:  # nothing of this round here: an empty part in the collective
+                    fspace.select_none()
+                    mspace = h5py.h5s.create_simple((1,))
+                    mspace.select_none()
+                    dset.write(mspace, fspace, np.empty(1, dset.dtype), dxpl=dxpl)
+            if on_event and failed is None:
+                try:  # an error here must not leave the other ranks in a collective
+                    on_event("dataset", path)
+                except Exception as err:  # noqa: BLE001 - raised below, once all are done
+                    failed = err
+        f.flush()  # every rank: MPI_File_sync of its writes
+    if failed is not None:
+        raise failed
     if comm.Get_rank() == 0:
         fsync_path(path)
     if on_event:
@@ -444,6 +514,10 @@ class Plan:
     mine: frozenset
     infos: list[dict]
     todo: tuple[tuple[str, Segment], ...] = ()
+    # a shared file's: every tensor's (dtype, global_shape, ...) in one order, and the
+    # most pieces of it any rank writes (its collective writes)
+    shared: dict = field(default_factory=dict)
+    rounds: dict = field(default_factory=dict)
 
 
 def plan(held: list[Held], comm, stage: int = 0) -> Plan:
@@ -458,41 +532,52 @@ def plan(held: list[Held], comm, stage: int = 0) -> Plan:
 @functools.lru_cache(maxsize=8)
 def _plan_of(keys: tuple[Key, ...], rank: int) -> Plan:
     described = [_describe(k) for k in keys]
-    mine = frozenset(plan_writers([items for items, _ in described])[rank])
+    writers = plan_writers([items for items, _ in described])
+    mine = frozenset(writers[rank])
     todo = tuple((name, seg) for name, _, sh in keys[rank][1] for seg in segments(sh)
                  if (name, seg.box) in mine)
-    return Plan(mine, [info for _, info in described], todo)
+    infos = [info for _, info in described]
+    shared = {k: v for info in infos for k, v in info.items()}
+    counts: dict[tuple[str, int], int] = {}
+    for r, boxes in enumerate(writers):
+        for name, _ in boxes:
+            counts[name, r] = counts.get((name, r), 0) + 1
+    rounds = {name: max((c for (n, _), c in counts.items() if n == name), default=0)
+              for name in shared}
+    return Plan(mine, infos, todo, shared, rounds)
 
 
 def save(root: str | Path, step: int, held: list[Held], meta: dict, comm, *, stage: int = 0,
-         keep: int = 3, on_event=None, say=print, finite: bool = False) -> Path:
+         keep: int = 3, on_event=None, say=print, finite: bool = False,
+         io: str = "auto") -> Path:
     """Write the checkpoint of ``step`` under ``root``; return its folder (see above).
 
     ``held``: this rank's arrays (``state.held_tensors``); ``meta``: the JSON metadata
     of ``format.META_KEYS``, the same on every rank; ``stage``: this rank's pipeline
     stage; ``say``: rank 0's one-line notices (stale folders removed); ``finite``:
-    refuse (``NonFiniteState``, every rank) a state with nan or inf. Collective over
-    ``comm``.
+    refuse (``NonFiniteState``, every rank) a state with nan or inf; ``io``: per-rank
+    files or one shared file through MPI-IO (``shared_file``). Collective over ``comm``.
     """
     if keep < 1:
         raise ValueError(f"keep ({keep}) must be at least 1")
     return write_planned(root, step, held, plan(held, comm, stage), meta, comm, keep=keep,
-                         on_event=on_event, say=say, finite=finite)
+                         on_event=on_event, say=say, finite=finite, io=io)
 
 
 def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, meta: dict,
                   comm, *, keep: int = 3, on_event=None, say=print,
                   catch: tuple = (OSError, DataError), finite: bool = False,
                   capture: Callable[[], list[Held]] | None = None,
-                  arrive: Callable[[], None] | None = None) -> Path:
+                  arrive: Callable[[], None] | None = None, io: str = "auto") -> Path:
     """Phases 2 to 4 of a save planned by ``plan`` (over a communicator of the same
     ranks as ``comm``); ``catch``: the errors turned into a CheckpointError on every
     rank; ``finite``: refuse a non-finite state (``NonFiniteState`` on every rank,
     ``step-N.tmp`` removed); ``capture``: called first (its errors reported with
     phase 2's) to give the arrays to write instead of ``held``; ``arrive``: called
-    before each collective (``background.arrive``: wait without spinning a core).
-    Collective over ``comm``."""
+    before each collective (``background.arrive``: wait without spinning a core);
+    ``io``: ``shared_file``'s choice. Collective over ``comm``."""
     root, rank, size = Path(root), comm.Get_rank(), comm.Get_size()
+    shared = shared_file(io, size)  # the same on every rank: raises on every rank
     arrive = arrive if arrive is not None and size > 1 else (lambda: None)
     tmp = root / f"{step_dirname(step)}.tmp"
     arrays = {}
@@ -504,7 +589,7 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
     all_ranks(comm, start, f"preparing {tmp}", catch, arrive)
     error, (pieces, bad) = None, ([], [])
     try:
-        pieces, bad = _write(tmp, arrays, planned, step, comm, on_event, finite)
+        pieces, bad = _write(tmp, arrays, planned, step, comm, on_event, finite, shared)
     except catch as err:
         error = str(err) or type(err).__name__
     arrive()
@@ -532,13 +617,12 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
 
 
 def _write(tmp: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int, comm,
-           on_event, finite: bool) -> tuple[list, list[str]]:
-    """This rank's pieces and non-finite tensors: into the shared file with parallel
-    HDF5, else its own file (none if it writes nothing)."""
-    if parallel_hdf5() and comm.Get_size() > 1:
-        merged = {k: v for info in planned.infos for k, v in info.items()}
-        return _write_shared(tmp / SHARED_NAME, arrays, planned.todo, merged, step, comm,
-                             on_event, finite)
+           on_event, finite: bool, shared: bool) -> tuple[list, list[str]]:
+    """This rank's pieces and non-finite tensors: into the shared file (``shared``:
+    parallel HDF5), else its own file (none if it writes nothing)."""
+    if shared:
+        return _write_shared(tmp / SHARED_NAME, arrays, planned, step, comm, on_event,
+                             finite)
     if not planned.todo:
         return [], []
     return _write_rank_file(tmp / data_filename(comm.Get_rank()), arrays, planned.todo,

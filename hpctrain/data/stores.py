@@ -39,6 +39,20 @@ class H5Rows:
         return out
 
 
+def _chunk_offsets(dsid) -> list[tuple[int, int]]:
+    """``(first row, byte offset)`` of every stored chunk: one ``H5Dchunk_iter`` pass
+    (HDF5 1.12.3 and newer), else ``H5Dget_chunk_info`` per chunk (HDF5 1.10.5 and
+    newer: Debian's parallel HDF5 1.10.8, common on clusters)."""
+    infos: list[tuple[int, int]] = []
+    if hasattr(dsid, "chunk_iter"):
+        dsid.chunk_iter(lambda info: infos.append((info.chunk_offset[0], info.byte_offset)))
+        return infos
+    for k in range(dsid.get_num_chunks()):
+        info = dsid.get_chunk_info(k)
+        infos.append((info.chunk_offset[0], info.byte_offset))
+    return infos
+
+
 class DirectRows:
     """Rows ``[a, b)`` of an unfiltered dataset, sliced from a memory map of its file.
 
@@ -71,10 +85,7 @@ class DirectRows:
                 return None
             chunk_rows = dset.chunks[0]
             offsets = np.full(-(-n // chunk_rows), -1, dtype=np.int64)
-            infos = []
-            dset.id.chunk_iter(lambda info: infos.append((info.chunk_offset[0],
-                                                          info.byte_offset)))
-            for first_row, byte_offset in infos:
+            for first_row, byte_offset in _chunk_offsets(dset.id):
                 offsets[first_row // chunk_rows] = byte_offset
             if (offsets < 0).any():
                 return None

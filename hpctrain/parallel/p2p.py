@@ -49,7 +49,8 @@ class P2P:
         self.n_chunks = n_chunks
         self.microbatches = microbatches
         self.dtype = np.dtype(dtype)
-        tag_ub = pp_comm.Get_attr(MPI.TAG_UB)
+        # MPI caches MPI_TAG_UB on MPI_COMM_WORLD; Open MPI gives None on split groups
+        tag_ub = pp_comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         if 2 * n_chunks * microbatches > tag_ub:
             raise ValueError(f"2 * chunks * microbatches (2 * {n_chunks} * {microbatches}) "
                              f"exceeds the MPI tag bound ({tag_ub})")
