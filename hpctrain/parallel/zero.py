@@ -205,13 +205,7 @@ class ZeroDataParallel:
 
     def grad_norm(self) -> float:
         """The global gradient norm from the owned shards (collective over all ranks)."""
-        buf = np.array([clip.grad_sq_sum(self.norm_pieces)])
-        if self.world_comm.Get_size() > 1:
-            from mpi4py import MPI
-
-            with trace.span("grad_norm", "optimizer", comm="world_comm"):
-                self.world_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return math.sqrt(buf[0])
+        return shard_grad_norm(self.norm_pieces, self.world_comm)
 
     def clip(self, max_norm: float, norm: float) -> float:
         return clip.clip_grads(self.pieces, max_norm, norm)
@@ -240,3 +234,16 @@ class ZeroDataParallel:
 
     def metrics(self) -> dict[str, float]:
         return {**self.grads.take_times(), "zero_gather_s": self.gather_s}
+
+
+def shard_grad_norm(pieces: list, world_comm: Any) -> float:
+    """The global gradient norm from each rank's owned shards (``pieces`` counted once
+    over the job): their squares summed over every rank. Collective over
+    ``world_comm``."""
+    buf = np.array([clip.grad_sq_sum(pieces)])
+    if world_comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        with trace.span("grad_norm", "optimizer", comm="world_comm"):
+            world_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    return math.sqrt(buf[0])

@@ -55,7 +55,6 @@ unequal shares, models with embedding tables (their own rule).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Any
@@ -66,7 +65,7 @@ from hpctrain import trace
 from hpctrain.checkpoint.state import Held, optimizer_entries, param_sharding
 from hpctrain.optim import clip
 from hpctrain.parallel.data import POLL_INTERVAL, state_nbytes
-from hpctrain.parallel.zero import ShardPiece, counted_once
+from hpctrain.parallel.zero import ShardPiece, counted_once, shard_grad_norm
 
 
 def _absent(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -449,13 +448,7 @@ class Zero3DataParallel:
 
     def grad_norm(self) -> float:
         """The global gradient norm from the owned shards (collective over all ranks)."""
-        buf = np.array([clip.grad_sq_sum(self.norm_pieces)])
-        if self.world_comm.Get_size() > 1:
-            from mpi4py import MPI
-
-            with trace.span("grad_norm", "optimizer", comm="world_comm"):
-                self.world_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return math.sqrt(buf[0])
+        return shard_grad_norm(self.norm_pieces, self.world_comm)
 
     def clip(self, max_norm: float, norm: float) -> float:
         return clip.clip_grads(self.pieces, max_norm, norm)
