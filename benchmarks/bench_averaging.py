@@ -213,9 +213,14 @@ def curve(records: list[dict]) -> list[dict]:
     return out
 
 
+REACH_TOL = 1e-4  # a loss within this of the target reaches it: the same update summed
+# in another order (unequal shares) differs from the target run's in the 6th digit
+
+
 def first_reach(points: list[dict], target: float, key: str) -> float | None:
-    """The ``key`` (time_s, bytes) at which the validation loss first reaches ``target``,
-    linear between evaluations; None if it never does."""
+    """The ``key`` (time_s, bytes) at which the validation loss first reaches ``target``
+    (within ``REACH_TOL``), linear between evaluations; None if it never does."""
+    target += REACH_TOL
     for a, b in zip(points, points[1:], strict=False):
         if b["val_loss"] <= target:
             if a["val_loss"] <= target:
@@ -419,10 +424,11 @@ def report(results: dict) -> str:
                 + (f"{t:>11.1f} {r['step_to_target']:>5.0f} {r['speedup_to_target']:>7.2f}x"
                    if t else f"{'never':>11} {'-':>5} {'-':>8}")
                 + f" {'/'.join(format(c['cores'], '.2f') for c in r['cpu']):>10}"
-                + ("!" if min(c["cores"] for c in r["cpu"]) < 0.85 else " ")
+                + ("!" if any(c["cores"] < 0.85 * share
+                              for c, share in zip(r["cpu"], shares * len(r["cpu"]))) else " ")
                 + f" {'/'.join(f'{x:.1f}' for x in r['load']):>10}")
-        lines.append("  (!: a node got less than 0.85 of its core: others' jobs shared "
-                     "the machine)\n")
+        lines.append("  (!: a node got less than 0.85 of its CPU share: others' jobs "
+                     "shared the machine)\n")
     for sh in results.get("shares", []):
         lines += [f"shares: {sh['model']} GPT, batch {sh['batch']}, 2 nodes at CPU shares "
                   f"1.0 and 0.5 of a {sh['period_us'] // 1000} ms CFS period, 1 Gbit/s, "
