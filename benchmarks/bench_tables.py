@@ -22,11 +22,14 @@ per rank, medians over the steps, so a planner can be fitted to them:
 
 with the load average before and after (compare shardings only within one run).
 
-``--plan``: the planner's check (``hpctrain.plan.tables``). The planner's rates are
-measured first in the same job (``tables_calibrate.measure_rates``), then the planner
-places the tables for ``--memory-gib`` per rank; that plan and the hand-written
-shardings above are each predicted and measured, and rank 0 prints per rank the
-predicted and measured forward + backward and step, and their ratio.
+``--plan``: the planner's check (``hpctrain.plan.tables``). In each of ``--rounds``
+rounds the planner's rates are measured in the same job
+(``tables_calibrate.measure_rates``) and every sharding is predicted from them and
+measured; the planner places the tables for ``--memory-gib`` per rank from the first
+round's rates. Rank 0 prints per rank the medians over the rounds of the predicted and
+measured forward + backward and step, their ratio, and the ratio's range over the
+rounds (a machine's speed drifts from minute to minute: the rounds interleave
+calibration and measurement so that both see the same drift).
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ def main() -> None:
                     help="calibrate, plan, and compare predicted with measured per rank")
     ap.add_argument("--memory-gib", type=float, default=0.5,
                     help="with --plan: memory per rank for the tables and their state")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --plan: rounds of calibration and measurement, interleaved")
     args = ap.parse_args()
     from mpi4py import MPI
 
@@ -186,45 +191,69 @@ def main() -> None:
 
 def compare(args, comm, data, warm: int) -> None:
     """``--plan``: rates measured here, the planner's choice and the hand-written
-    shardings, each predicted and measured (module docstring)."""
+    shardings, each predicted and measured, in ``--rounds`` interleaved rounds
+    (module docstring)."""
     from hpctrain.parallel.tables import place_tables
     from hpctrain.plan import tables as tp
     from hpctrain.plan.tables_calibrate import measure_rates
 
     size, rank = comm.Get_size(), comm.Get_rank()
     base = config(size, args.batch, args.dim, "replicated")
-    load0 = os.getloadavg()[0]
-    rates = measure_rates(comm, base.model, args.batch, bag_fill=0.4)
     work = tp.workload_of(base.model, args.batch, "rowwise_adagrad", bag_fill=0.4)
-    plan = tp.plan_tables(work, size, args.memory_gib * 2**30, rates)
-    if rank == 0:
-        print(f"{size} ranks, {args.batch} samples per rank, dim {args.dim}; load average "
-              f"{load0:.2f}; rates measured in this run: a2a {rates.a2a.latency_s * 1e6:.0f} "
-              f"us + {rates.a2a.bytes_per_s / 1e9:.2f} GB/s, dense "
-              f"{sum(rates.dense.values()) * 1e3:.2f} ms\nthe planner's choice for "
-              f"{args.memory_gib:g} GiB per rank:")
-        print(tp.format_prediction(plan.placements, work, plan.prediction, rates, size))
-        print(f"\n{'sharding':<11}{'rank':>4} {'pred f+b':>9} {'meas f+b':>9} "
-              f"{'pred step':>9} {'meas step':>9} {'meas/pred':>9}")
-    cases = {"planned": replace(base, parallel=replace(
-        base.parallel, table_sharding=tuple(plan.choices.values())))}
-    for name in args.sharding or list(SHARDINGS):
-        cases[name] = config(size, args.batch, args.dim, name)
-    for name, cfg in cases.items():
-        cfg = cfg.validate(size)
-        pred = tp.rank_costs(work, place_tables(cfg.model, cfg.parallel), rates, size)
-        got = measure(cfg, comm, data, warm)
-        every = comm.gather(got, root=0)
+    load0 = os.getloadavg()[0]
+    cases, preds, meas, plan = {}, {}, {}, None
+    for rnd in range(args.rounds):
+        rates = measure_rates(comm, base.model, args.batch, bag_fill=0.4)
+        if plan is None:  # the plan of the first round's rates, measured every round
+            plan = tp.plan_tables(work, size, args.memory_gib * 2**30, rates)
+            cases["planned"] = replace(base, parallel=replace(
+                base.parallel, table_sharding=tuple(plan.choices.values())))
+            for name in args.sharding or list(SHARDINGS):
+                cases[name] = config(size, args.batch, args.dim, name)
+            if rank == 0:
+                print(f"{size} ranks, {args.batch} samples per rank, dim {args.dim}, "
+                      f"{args.rounds} rounds of calibration and {args.steps} measured "
+                      f"steps a sharding; load average {load0:.2f}\nthe planner's "
+                      f"choice for {args.memory_gib:g} GiB per rank (first round's rates):")
+                print(tp.format_prediction(plan.placements, work, plan.prediction, rates,
+                                           size))
         if rank == 0:
-            step = pred.step_s
-            for r, g in enumerate(every):
-                t = pred.ranks[r].time
-                fb = t["fwd"] + t["bwd"]
-                meas = g["fwd"] + g["bwd"] + g["sync"] + g["update"]
-                print(f"{name:<11}{r:>4} {fb * 1e3:>9.2f} {(g['fwd'] + g['bwd']) * 1e3:>9.2f} "
-                      f"{step * 1e3:>9.2f} {meas * 1e3:>9.2f} {meas / step:>9.2f}", flush=True)
-    if rank == 0:
-        print(f"load average after: {os.getloadavg()[0]:.2f}")
+            print(f"round {rnd + 1}: a2a {rates.a2a.latency_s * 1e6:.0f} us + "
+                  f"{rates.a2a.bytes_per_s / 1e9:.2f} GB/s, gather "
+                  f"{rates.gather.latency_s * 1e6:.0f} us + "
+                  f"{rates.gather.bytes_per_s / 1e9:.2f} GB/s (latencies from inside "
+                  f"steps), dense {sum(rates.dense.values()) * 1e3:.2f} ms", flush=True)
+        for name, cfg in cases.items():
+            cfg = cfg.validate(size)
+            pred = tp.rank_costs(work, place_tables(cfg.model, cfg.parallel), rates, size)
+            got = comm.gather(measure(cfg, comm, data, warm), root=0)
+            preds.setdefault(name, []).append(pred)
+            meas.setdefault(name, []).append(got)
+    if rank != 0:
+        return
+    print(f"\nstep: the slowest rank's forward + backward + sync + update (every rank "
+          f"waits for it at the next step's collectives), median over the rounds; "
+          f"rounds: the ratio's range\n{'sharding':<11} {'pred f+b':>9} {'meas f+b':>9} "
+          f"{'pred step':>9} {'meas step':>9} {'meas/pred':>9} {'rounds':>11}   "
+          f"per term, predicted/measured ms (the slowest rank)")
+    for name in cases:
+        pred_steps = [p.step_s for p in preds[name]]
+        slowest = [max(range(size), key=lambda r, m=m: sum(m[r][k] for k in tp.TERMS))
+                   for m in meas[name]]
+        meas_steps = [sum(m[r][k] for k in tp.TERMS) for m, r in zip(meas[name], slowest,
+                                                                      strict=True)]
+        ratios = [m / p for m, p in zip(meas_steps, pred_steps, strict=True)]
+        step, got = statistics.median(pred_steps), statistics.median(meas_steps)
+        t = {k: statistics.median(max(p.ranks, key=lambda c: c.own_s).time[k]
+                                  for p in preds[name]) for k in tp.TERMS}
+        g = {k: statistics.median(m[r][k] for m, r in zip(meas[name], slowest, strict=True))
+             for k in tp.TERMS}
+        terms = " ".join(f"{k} {t[k] * 1e3:.2f}/{g[k] * 1e3:.2f}" for k in tp.TERMS)
+        print(f"{name:<11} {(t['fwd'] + t['bwd']) * 1e3:>9.2f} "
+              f"{(g['fwd'] + g['bwd']) * 1e3:>9.2f} {step * 1e3:>9.2f} {got * 1e3:>9.2f} "
+              f"{got / step:>9.2f} {min(ratios):>5.2f}-{max(ratios):<5.2f}   {terms}",
+              flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ errors, the plan file read back by ``parallel.tables.read_plan``, and the comman
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
@@ -70,6 +71,19 @@ def test_a_row_wise_table_by_hand():
     assert r.time["sync"] == 0.0
     assert r.memory == (500_000 * 4 + 500_000) * 4
     assert r.comm_s == pytest.approx(4e-4 + (2 * 151 * 8 + 2 * 2 * 100 * 16) / 1e9)
+
+
+def test_a_sharded_tables_own_work_is_split_between_forward_and_backward():
+    w = work(("t", 10**6, 1.0), ("u", 10, 1.0))
+    choices = {"t": TableSharding("t", "row")}
+    bare = tp.rank_costs(w, tp.place(w, 2, choices), RATES, 2, dense=False).ranks[0]
+    with_own = tp.rank_costs(w, tp.place(w, 2, choices), replace(RATES, shard_s=6e-4), 2,
+                             dense=False).ranks[0]
+    # one sharded table: 3e-4 more each way; the replicated one pays nothing
+    assert with_own.time["fwd"] - bare.time["fwd"] == pytest.approx(3e-4)
+    assert with_own.time["bwd"] - bare.time["bwd"] == pytest.approx(3e-4)
+    assert with_own.time["sync"] == bare.time["sync"]
+    assert with_own.comm_s == bare.comm_s  # not an exchange
 
 
 def test_the_dense_part_scales_with_the_batch():

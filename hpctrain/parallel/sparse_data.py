@@ -24,6 +24,7 @@ keeps this wrapper for the dense layers and the replicated tables.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,7 @@ class SparseDataParallel:
                                      bucket_mb=bucket_mb,
                                      poll_interval=POLL_INTERVAL if self.dp_size > 1 else 0.0)
         self.table_rows = 0  # rows of the last step's gathered table gradients
+        self.table_sync_s = 0.0  # seconds of the last step's gather of table gradients
 
     def zero_grad(self) -> None:
         if self.grads is not None:
@@ -102,8 +104,10 @@ class SparseDataParallel:
         """Wait for the dense buckets, then sum the tables' rows over the data group."""
         if self.grads is not None:
             self.grads.wait()
+        t0 = time.perf_counter()
         with trace.span("table_grads", "dp_comm", comm="dp_comm"):
             allgather_sparse([p.grad for p in self.tables], self.dp_comm)
+        self.table_sync_s = time.perf_counter() - t0
         self.table_rows = sum(len(p.grad.rows) for p in self.tables)
 
     def grad_norm(self) -> float:

@@ -10,9 +10,11 @@ drawn uniformly over a table's rows:
     forward   replicated t: pool n_t rows of d                        pool(n_t, d)
               sharded t: route each id to its owners                  route * n_t * shards
                          3 exchanges (counts, ids, pooled blocks)     3 a2a(bytes)
+                         its own work outside those (half of)         shard_s / 2
                          owner of shard s (rows R_s, cols w_s):       pool(G n_t R_s/R, w_s)
     backward  replicated t: add n_t rows to its SparseGrad            grad(n_t, d)
               sharded t: 1 exchange (dy blocks)                       a2a(b w_s per shard)
+                         and the other half of its own work           shard_s / 2
                          owner: add its G n_t R_s/R rows              grad(., w_s)
     sync      replicated tables: one gather of every rank's unique    3 gather(bytes)
               rows (row ids and values, all tables at once) and       grad(G u_t, d)
@@ -145,6 +147,8 @@ class Rates:
     dense: dict[str, float]  # the dense part of a step of dense_batch samples per rank,
     dense_batch: int  # per term (TERMS)
     load: str = ""  # /proc/loadavg when measured
+    shard_s: float = 0.0  # per sharded table and step: its lookup's and gradient's own
+    # work outside the exchanges and the row kernels (id splitting, packing, Python)
 
     def regime(self, nbytes: float) -> str:
         return "cached" if nbytes <= self.cache_bytes else "uncached"
@@ -167,7 +171,7 @@ def rates_from_dict(raw: dict, ranks: int, source: str = "rates") -> Rates:
                  {k: _row_rate(v) for k, v in got["update"].items()},
                  int(got["cache_bytes"]), {k: float(v) for k, v in got["dense"].items()},
                  int(got["dense_batch"]),
-                 str(got.get("load", "")))
+                 str(got.get("load", "")), float(got.get("shard_s", 0.0)))
 
 
 # ---------------------------------------------------------------------------------
@@ -269,8 +273,8 @@ def rank_costs(work: Workload, placements: dict[str, Placement], rates: Rates,
             a2a_fwd = (rates.a2a.time(0) + rates.a2a.time(max(ids_out, ids_in))
                        + rates.a2a.time(max(pooled_in, pooled_out)))
             a2a_bwd = rates.a2a.time(max(pooled_in, grads_in))  # dy blocks, same sizes
-            rc.time["fwd"] += rates.route_s * n * len(shards) + a2a_fwd
-            rc.time["bwd"] += a2a_bwd
+            rc.time["fwd"] += rates.route_s * n * len(shards) + a2a_fwd + rates.shard_s / 2
+            rc.time["bwd"] += a2a_bwd + rates.shard_s / 2
             rc.comm_s += a2a_fwd + a2a_bwd
     if replicated and G > 1:
         # one gather of all replicated tables: counts, row ids, values; then the merge

@@ -6,18 +6,24 @@ of ``plan/tables.py``:
 
     a2a, gather   one Alltoallv (Allgatherv) of 8 B to 128 KiB per rank pair, median of
                   repeats; a least-squares line of seconds over the bytes a rank
-                  receives (latency_s, bytes_per_s)
+                  receives: its bytes_per_s (its latency_s: see below)
     route_s       the requester's split of n ids for one shard, per id
     pool          ``parallel.tables._pool_sum`` of n random rows of a table in the
-                  last-level cache (256 KiB) and far beyond it (128 MiB), at dims 16
-                  and 64: a line over the row's bytes (row_s, byte_s)
+                  last-level cache (256 KiB) and far beyond it (the largest table to
+                  be planned, 128 MiB to 1 GiB), at dims 16 and 64: a line over the
+                  row's bytes (row_s, byte_s)
     grad          ``SparseGrad.add`` of n rows (a batch's, always cached)
     update        the sparse optimizer's update of n distinct rows, both optimizers,
                   cached and uncached tables
     dense         a whole training step of the model at ``batch`` samples per rank with
-                  every table cut to 8 rows and replicated (the MLPs, interaction, bias
-                  tables, dense all-reduce and optimizer), forward, backward, sync and
-                  update apart, less the model's own prediction for those small tables
+                  every table cut to 8 rows per rank and replicated (the MLPs,
+                  interaction, bias tables, dense all-reduce and optimizer), forward,
+                  backward, sync and update apart, less the model's own prediction for
+                  those small tables
+    latencies     the gather's and the all-to-all's latency_s, the dense all-reduce
+                  and shard_s (a sharded table's own work) from inside whole steps:
+                  the replicated step, and the same step with every table row-wise
+                  (``measure_rates``, ``probe_step``)
 
 ``hpctrain calibrate-tables`` launches that job at each ``--ranks`` and writes a TOML
 file of ``[ranks.N]`` sections; ``hpctrain plan-tables`` reads it and plans.
@@ -48,7 +54,8 @@ RESULT_TAG = "TABLE_RATES "
 MESSAGES = (8, 1024, 16384, 131072)  # bytes per rank pair
 N_IDS = 8192
 CACHED_BYTES = 256 * 1024
-UNCACHED_BYTES = 128 * 2**20
+UNCACHED_BYTES = 128 * 2**20  # the uncached rates' table: at least this, the largest
+MAX_UNCACHED_BYTES = 1 << 30  # table to be planned if larger, at most this
 
 
 def _median_time(comm, fn, repeats: int) -> float:
@@ -101,8 +108,11 @@ def _rows_rate(per_row: dict[int, float], itemsize: int) -> tp.RowRate:
     return tp.RowRate(max(t0 - d0 * itemsize * byte_s, 0.0), byte_s)
 
 
-def kernel_rates(comm, itemsize: int = 4, repeats: int = 7) -> dict[str, Any]:
-    """route_s, pool, grad and update rates (every rank at once)."""
+def kernel_rates(comm, itemsize: int = 4, repeats: int = 7,
+                 uncached_bytes: int = UNCACHED_BYTES) -> dict[str, Any]:
+    """route_s, pool, grad and update rates (every rank at once); the uncached ones
+    on a table of ``uncached_bytes`` (random rows of a larger table miss the TLB as
+    well as the cache: measure at the size of the tables to be planned)."""
     from hpctrain.nn.module import SparseGrad, SparseParameter
     from hpctrain.optim.sparse import RowWiseAdaGrad, SparseAdam
     from hpctrain.parallel.tables import _pool_sum
@@ -123,7 +133,7 @@ def kernel_rates(comm, itemsize: int = 4, repeats: int = 7) -> dict[str, Any]:
         rows_of = rng.integers(0, 4096, b)
         grad[dim] = _median_time(comm, lambda d=dim, r=rows_of, v=g: SparseGrad(
             (4096, d), dtype).add(r, v), repeats) / b
-        for reg, nbytes in (("cached", CACHED_BYTES), ("uncached", UNCACHED_BYTES)):
+        for reg, nbytes in (("cached", CACHED_BYTES), ("uncached", uncached_bytes)):
             rows = nbytes // (dim * itemsize)
             W = np.full((rows, dim), 0.5, dtype)  # written: every page present
             local = rng.integers(0, rows, b)
@@ -145,29 +155,39 @@ def kernel_rates(comm, itemsize: int = 4, repeats: int = 7) -> dict[str, Any]:
             "update": {k: _rows_rate(v, itemsize) for k, v in update.items()}}
 
 
-def dense_step(comm, model: Any, batch: int, *, optimizer: str, bag_fill: float,
-               steps: int = 8, warm: int = 2) -> dict[str, float]:
-    """Median seconds of each part of a training step (``plan.tables.TERMS``: forward,
-    backward, sync, update; the slowest rank's) of ``model`` with every table cut to 8
-    rows, replicated, ``batch`` samples per rank (collective)."""
+def probe_step(comm, model: Any, batch: int, *, optimizer: str, bag_fill: float,
+               sharding: str = "replicated", steps: int = 12, warm: int = 3
+               ) -> dict[str, float]:
+    """A whole training step of ``model`` with every table cut to 8 rows per rank
+    (``G * 8``) and placed ``sharding`` (``replicated`` or ``row``), ``batch`` samples
+    per rank, timed as training runs it: a barrier before each step, then the step's
+    own collectives only (collective). Returns the medians over ``steps`` of each
+    term's seconds (``plan.tables.TERMS``) on the rank whose median step is the
+    longest, and the mean over ranks of the medians of the collectives' seconds and
+    bytes inside a step: ``gather_s`` (the replicated tables' gradient gather),
+    ``a2a_s`` and ``a2a_bytes`` (the sharded tables' exchanges, the larger of sent and
+    received)."""
     from hpctrain.config import Config, ParallelConfig, TrainConfig
     from hpctrain.parallel.engine import build_engine
     from hpctrain.parallel.topology import Topology
     from hpctrain.train import make_data_parallel
 
     G = comm.Get_size()
-    small = replace(model, tables=tuple(replace(t, rows=min(t.rows, 8)) for t in model.tables))
-    cfg = Config(model=small, parallel=ParallelConfig(),
+    small = replace(model, tables=tuple(  # row-wise: every table split over every rank
+        replace(t, rows=8 * G if sharding == "row" else min(t.rows, 8 * G))
+        for t in model.tables))
+    cfg = Config(model=small, parallel=ParallelConfig(table_default=sharding),
                  train=TrainConfig(batch_size=batch * G, lr=1e-3, sparse_lr=0.02,
                                    grad_clip=1.0, sparse_optimizer=optimizer)).validate(G)
     topo = Topology.build(comm, cfg.parallel)
     engine = build_engine(cfg, topo)
     dp = make_data_parallel(cfg, engine, topo)
+    stats = getattr(dp, "stats", None)
     rng = np.random.default_rng(comm.Get_rank())
-    times = []
+    times, inner = [], []
     for i in range(warm + steps):
         x, y = synthetic_batch(small, batch, bag_fill, rng)
-        comm.Barrier()
+        comm.Barrier()  # each step starts together, as the ranks of a step do
         dp.zero_grad()
         t = [time.perf_counter()]
         loss, cache = engine.model.forward(x, y)
@@ -179,13 +199,23 @@ def dense_step(comm, model: Any, batch: int, *, optimizer: str, bag_fill: float,
         dp.clip(cfg.train.grad_clip, dp.grad_norm())
         dp.step(1e-3)
         t.append(time.perf_counter())
+        a2a = stats.take() if stats is not None else {}
         if i >= warm:
             times.append(np.diff(t))
+            inner.append([getattr(dp, "table_sync_s", 0.0), a2a.get("a2a_s", 0.0),
+                          max(a2a.get("a2a_sent_bytes", 0), a2a.get("a2a_recv_bytes", 0))])
     topo.free()
     med = np.median(np.array(times), axis=0)
-    worst = np.empty_like(med)
-    comm.Allreduce(med, worst, op=_max())
-    return dict(zip(tp.TERMS, worst.tolist(), strict=True))
+    every = np.empty((G, len(med)))
+    comm.Allgather(med, every)
+    worst = every[int(np.argmax(every.sum(axis=1)))]  # the slowest rank's terms: a
+    # faster rank's wait at the collectives is the slowest one's work, counted once
+    mine = np.median(np.array(inner, float), axis=0)
+    mean = np.empty_like(mine)
+    comm.Allreduce(mine, mean)
+    mean /= G
+    return {**dict(zip(tp.TERMS, worst.tolist(), strict=True)),
+            "gather_s": float(mean[0]), "a2a_s": float(mean[1]), "a2a_bytes": float(mean[2])}
 
 
 def synthetic_batch(model: Any, batch: int, bag_fill: float, rng) -> tuple[Any, Any]:
@@ -207,19 +237,64 @@ def synthetic_batch(model: Any, batch: int, bag_fill: float, rng) -> tuple[Any, 
 
 def measure_rates(comm, model: Any, batch: int, *, optimizer: str = "rowwise_adagrad",
                   bag_fill: float = 1.0) -> tp.Rates:
-    """Every rate of ``plan/tables.py`` at ``comm``'s size (collective)."""
+    """Every rate of ``plan/tables.py`` at ``comm``'s size (collective).
+
+    The collectives' bandwidths come from tight loops (``collective_lines``); the rest
+    from two probes of whole steps (``probe_step``), as training runs them, where a
+    rank meets its partners after compute of its own (and, with more ranks than
+    cores, after they were descheduled: a latency timed in a tight loop is many times
+    smaller). Ranks that meet at an exchange are in step at the next collective, so
+    a wait is counted where it falls:
+
+    - the row-wise probe: its dense all-reduce (the ranks already in step: the dense
+      part's ``sync``), the exchanges' latency (``a2a_s`` less the bytes, over 4
+      exchanges a table), and the tables' own work outside the exchanges and row
+      kernels (``shard_s``: what is left of its forward and backward per table);
+    - the replicated probe: the dense part's forward, backward and update, and the
+      gather's latency (its ``sync`` less the dense all-reduce, the merge and the
+      bytes, over 3 collectives): the gather is the first collective after the
+      replicated tables' local work, so it holds the wait for the slowest rank.
+    """
     itemsize = 8 if model.dtype == "float64" else 4
     load = open("/proc/loadavg").read().strip()
-    a2a, gather = collective_lines(comm)
-    k = kernel_rates(comm, itemsize)
-    rates = tp.Rates(comm.Get_size(), a2a, gather, k["route_s"], k["pool"], k["grad"],
-                     k["update"], cache_bytes(), {}, batch, load)
-    step = dense_step(comm, model, batch, optimizer=optimizer, bag_fill=bag_fill)
-    small = replace(model, tables=tuple(replace(t, rows=min(t.rows, 8)) for t in model.tables))
-    work = tp.workload_of(small, batch, optimizer, bag_fill)
     G = comm.Get_size()
+    a2a, gather = collective_lines(comm)
+    largest = max(t.rows * model.embed_dim * itemsize for t in model.tables)
+    k = kernel_rates(comm, itemsize, uncached_bytes=int(min(max(largest, UNCACHED_BYTES),
+                                                            MAX_UNCACHED_BYTES)))
+    rates = tp.Rates(G, a2a, gather, k["route_s"], k["pool"], k["grad"],
+                     k["update"], cache_bytes(), {}, batch, load)
+    rep = probe_step(comm, model, batch, optimizer=optimizer, bag_fill=bag_fill)
+    small = replace(model, tables=tuple(replace(t, rows=min(t.rows, 8 * G))
+                                        for t in model.tables))
+    work = tp.workload_of(small, batch, optimizer, bag_fill)
+    if G == 1:
+        tables = tp.rank_costs(work, tp.place(work, G, {}), rates, G, dense=False).ranks[0]
+        return replace(rates, dense={k: max(rep[k] - tables.time[k], 0.0) for k in tp.TERMS})
+    row = probe_step(comm, model, batch, optimizer=optimizer, bag_fill=bag_fill,
+                     sharding="row")
+    n_tables = len(model.tables)
+    lat = (row["a2a_s"] - row["a2a_bytes"] / a2a.bytes_per_s) / (4 * n_tables)
+    rates = replace(rates, a2a=tp.Line(max(lat, 1e-7), a2a.bytes_per_s))
+    dense_sync = row["sync"]
+    got = sum(G * tp.distinct(t.rows, batch * t.ids) * (8 + t.dim * itemsize)
+              for t in work.tables)
+    merge = sum(rates.grad["cached"].time(G * tp.distinct(t.rows, batch * t.ids),
+                                          t.dim * itemsize) for t in work.tables)
+    lat = (rep["sync"] - dense_sync - merge - got / gather.bytes_per_s) / 3
+    rates = replace(rates, gather=tp.Line(max(lat, 1e-7), gather.bytes_per_s))
     tables = tp.rank_costs(work, tp.place(work, G, {}), rates, G, dense=False).ranks[0]
-    return replace(rates, dense={k: max(step[k] - tables.time[k], 0.0) for k in tp.TERMS})
+    dense = {k: max(rep[k] - tables.time[k], 0.0) for k in tp.TERMS}
+    dense["sync"] = dense_sync
+    rates = replace(rates, dense=dense)
+    # what the row-wise step spent beyond the dense part and the modelled table work
+    wide = replace(model, tables=tuple(replace(t, rows=8 * G) for t in model.tables))
+    wwork = tp.workload_of(wide, batch, optimizer, bag_fill)
+    placed = tp.place(wwork, G, {}, default="row")
+    modelled = tp.rank_costs(wwork, placed, rates, G, dense=True)
+    mod = max(modelled.ranks, key=lambda r: r.own_s).time
+    extra = (row["fwd"] + row["bwd"]) - (mod["fwd"] + mod["bwd"])
+    return replace(rates, shard_s=max(extra / n_tables, 0.0))
 
 
 def cache_bytes() -> int:
@@ -244,7 +319,8 @@ def to_toml(rates: list[tp.Rates], note: str) -> str:
     for r in rates:
         s = f"ranks.{r.ranks}"
         lines += [f"[{s}]", f'load = "{r.load}"',
-                  f"route_s = {r.route_s:.4e}", f"cache_bytes = {r.cache_bytes}",
+                  f"route_s = {r.route_s:.4e}", f"shard_s = {r.shard_s:.4e}",
+                  f"cache_bytes = {r.cache_bytes}",
                   "dense = { " + ", ".join(f"{k} = {v:.4e}" for k, v in r.dense.items())
                   + " }", f"dense_batch = {r.dense_batch}",
                   f"a2a = {{ latency_s = {r.a2a.latency_s:.4e}, "
@@ -268,6 +344,7 @@ def rates_dict(r: tp.Rates) -> dict:
         return {"row_s": x.row_s, "byte_s": x.byte_s}
 
     return {"a2a": r.a2a.__dict__, "gather": r.gather.__dict__, "route_s": r.route_s,
+            "shard_s": r.shard_s,
             "pool": {k: rr(v) for k, v in r.pool.items()},
             "grad": {k: rr(v) for k, v in r.grad.items()},
             "update": {k: rr(v) for k, v in r.update.items()},
