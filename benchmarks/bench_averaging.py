@@ -424,8 +424,8 @@ def report(results: dict) -> str:
                 + (f"{t:>11.1f} {r['step_to_target']:>5.0f} {r['speedup_to_target']:>7.2f}x"
                    if t else f"{'never':>11} {'-':>5} {'-':>8}")
                 + f" {'/'.join(format(c['cores'], '.2f') for c in r['cpu']):>10}"
-                + ("!" if any(c["cores"] < 0.85 * share
-                              for c, share in zip(r["cpu"], shares * len(r["cpu"]))) else " ")
+                + ("!" if any(c["cores"] < 0.85 * share for c, share in
+                              zip(r["cpu"], shares * len(r["cpu"]), strict=False)) else " ")
                 + f" {'/'.join(f'{x:.1f}' for x in r['load']):>10}")
         lines.append("  (!: a node got less than 0.85 of its CPU share: others' jobs "
                      "shared the machine)\n")
