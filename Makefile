@@ -66,6 +66,49 @@ bench-cluster: install data/shakespeare.h5 ## links, flat vs hierarchical sync, 
 bench-averaging: install data/shakespeare.h5 ## averaging strategies at 100 Mbit/s, batch shares on unequal nodes (root, ~20 min)
 	$(TEST_ENV) $(PY) benchmarks/bench_averaging.py --out runs/bench-averaging
 
+# BUDGET_GIB, LARGEST_RANKS, D_MODEL: e.g. `make bench-largest BUDGET_GIB=3 LARGEST_RANKS=4 D_MODEL=256`
+BUDGET_GIB ?= 24
+LARGEST_RANKS ?= 8
+D_MODEL    ?= 1024
+bench-largest: install data/shakespeare.h5 ## deepest GPT in BUDGET_GIB over LARGEST_RANKS: ZeRO 0/1/3, full recompute, bf16 (hours at 24 GiB)
+	$(TEST_ENV) $(PY) benchmarks/bench_largest.py --budget-gib $(BUDGET_GIB) --ranks $(LARGEST_RANKS) \
+	  --d-model $(D_MODEL) --out runs/bench-largest
+
+# The peer benchmark's own venv: PyTorch for the CPU, never a dependency of hpctrain.
+# PyPI's torch wheels for Linux x86_64 are CUDA builds that ask for about 4 GB of nvidia-*
+# libraries, and they do not import without them (libcudnn.so.9, even on the CPU). The
+# development machines hold torch 2.13.0's CPU build (pip finds it for torch==2.13.0):
+# torch goes in without its declared dependencies, then its small pure-Python ones,
+# then a smoke test that it trains on the CPU and has gloo; where that fails, the
+# message says how to add the CUDA libraries. PEER_PIP_ARGS: extra pip options for
+# torch (a CPU wheel index of your own, say); PEER_ARGS: bench_peer.py's (--quick).
+PEER_VENV  ?= .venv-peer
+PEER_TORCH ?= 2.13.0
+PEER_PIP_ARGS ?=
+PEER_DEPS  := filelock typing-extensions sympy networkx jinja2 fsspec mpmath MarkupSafe \
+              'setuptools>=77.0.3' numpy
+PEER_ARGS  ?=
+.PHONY: bench-peer
+bench-peer: install data/shakespeare.h5 $(PEER_VENV)/.installed ## hpctrain vs PyTorch, serial and DDP, 6- and 12-layer GPT: float64 check, tok/s, ratio, MFU (PEER_ARGS=--quick)
+	$(PY) benchmarks/bench_peer.py --peer-python $(PEER_VENV)/bin/python --out runs/bench-peer $(PEER_ARGS)
+
+$(PEER_VENV)/.installed:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet --upgrade pip
+	@$(PEER_VENV)/bin/pip install --quiet --no-deps $(PEER_PIP_ARGS) torch==$(PEER_TORCH) || { \
+	  echo "bench-peer: could not install torch==$(PEER_TORCH) from the package index" \
+	       "(pip's message above); try another release: rm -r $(PEER_VENV); make bench-peer" \
+	       "PEER_TORCH=..." >&2; exit 1; }
+	$(PEER_VENV)/bin/pip install --quiet $(PEER_DEPS)
+	@$(PEER_VENV)/bin/python benchmarks/peer_torch.py smoke || { \
+	  echo "bench-peer: torch $(PEER_TORCH) does not run on the CPU here (message above):" \
+	       "pip took a CUDA build. Either give pip a CPU build (make bench-peer" \
+	       "PEER_PIP_ARGS='--index-url URL-of-a-CPU-wheel-index') or add its CUDA" \
+	       "libraries, about 4 GB: $(PEER_VENV)/bin/pip install torch==$(PEER_TORCH);" \
+	       "then make bench-peer again" >&2; \
+	  exit 1; }
+	touch $@
+
 plot: ## PNG loss curves of the demo run (runs/demo/loss.png)
 	$(BIN)/hpctrain plot runs/demo
 
@@ -173,7 +216,7 @@ lint: install ## ruff over the code and tests
 	$(BIN)/ruff check hpctrain data_prep tests benchmarks
 
 clean: ## remove the venv, prepared data and runs
-	rm -rf $(VENV) .venv-mpich .venv-openmpi data runs *.egg-info
+	rm -rf $(VENV) .venv-mpich .venv-openmpi $(PEER_VENV) data runs *.egg-info
 
 cv-movielens: data/movielens.h5 ## five-fold cross-validated RMSE of the DLRM on MovieLens-100K, 2 ranks
 	$(MPIEXEC) -n 2 $(BIN)/hpctrain cv --config configs/dlrm-movielens.toml --folds 5 --run-dir runs/cv-movielens

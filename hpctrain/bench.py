@@ -8,6 +8,8 @@ The benchmark models (``BENCH_MODELS``), each float32, AdamW, evaluation off:
 
     gpt     6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256, global batch
             8 sequences (2,048 tokens a step); layouts serial, dp2, tp2, pp2
+    gpt-large  12 layers, d_model 768, 12 heads (85M parameters), the rest as gpt;
+            layouts serial, dp2 (the larger model of benchmarks/bench_peer.py)
     cnn     the Fashion-MNIST classifier, channels [16, 32], images padded to 32 x 32,
             global batch 128 images; layouts serial, dp2, sp2
     seg3d   the 3-D U-Net, channels [8, 16, 32], 3 classes, 32^3 crops of MNI152,
@@ -96,6 +98,9 @@ def _convolutional(model: dict[str, Any], batch_size: int, data: str) -> dict[st
 
 BENCH_MODELS: dict[str, BenchModel] = {
     "gpt": BenchModel(BENCH_CONFIG, ("serial", "dp2", "tp2", "pp2")),
+    "gpt-large": BenchModel(BENCH_CONFIG | {"model": BENCH_CONFIG["model"]
+                                            | {"n_layer": 12, "n_head": 12, "d_model": 768}},
+                            ("serial", "dp2")),
     # image_pad 2: 28 x 28 -> 32 x 32, so sp2 halves every stage's rows (at all layouts,
     # so that the rows compare the same model)
     "cnn": BenchModel(_convolutional({"kind": "cnn", "input_dim": 784, "image_pad": 2,

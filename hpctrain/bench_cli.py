@@ -41,7 +41,8 @@ def _default_out(model: str) -> str:
 @click.command(name="bench")
 @click.option("--model", default="gpt", show_default=True,
               type=click.Choice(list(bench.BENCH_MODELS)),
-              help="Benchmark model: the GPT, the Fashion-MNIST CNN or the 3-D U-Net.")
+              help="Benchmark model: the GPT (6 layers, or gpt-large: 12), the "
+                   "Fashion-MNIST CNN or the 3-D U-Net.")
 @click.option("--layout", "layouts", multiple=True, type=click.Choice(list(bench.LAYOUTS)),
               help=f"Layout to run (repeatable; default: the model's, {_default_layouts()}).")
 @click.option("--data", type=click.Path(dir_okay=False),
@@ -68,7 +69,8 @@ def bench_command(model: str, layouts: tuple[str, ...], data: str | None, steps:
     """Throughput, model FLOP/s and MFU of a benchmark model at each layout.
 
     The benchmark GPT (default): 6 layers, d_model 384, 6 heads, sequence 256,
-    vocabulary 256, global batch 8; layouts serial, dp2, tp2, pp2. The CNN: the
+    vocabulary 256, global batch 8; layouts serial, dp2, tp2, pp2. gpt-large: 12
+    layers, d_model 768, 12 heads, the rest the same; serial, dp2. The CNN: the
     Fashion-MNIST classifier (channels 16, 32; images padded to 32 x 32), global batch
     128; the 3-D U-Net (seg3d): channels 8, 16, 32 on 32^3 crops of MNI152, global
     batch 4; both at serial, dp2 and sp2 (spatial parallelism, 2 slabs). Throughput
