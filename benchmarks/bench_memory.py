@@ -13,7 +13,8 @@ selective recomputation. ``recompute``: one training step's traced peak above th
 persistent state and the step time of none / selective / full, interleaved (the times
 move with the machine's load: the load average is printed). ``layouts``: every layout
 (``LAYOUTS``) as its own MPI job of 4 steps with ``[train] memory_report``, each rank's
-traced peak of the last step against ``plan.cost.predict_memory``.
+traced peak of the last step against ``plan.cost.predict_memory``, and the median step
+time of steps 2-4 (traced; the load average is printed).
 """
 
 from __future__ import annotations
@@ -207,17 +208,21 @@ def layouts(args) -> None:
         ranks, parallel, mode = LAYOUTS[name]
         subprocess.run([MPIEXEC, "-n", str(ranks), PY, "-m", "mpi4py", __file__, "worker",
                         name, "--out", args.out], check=True, timeout=900, env=env)
-        record = [r for r in read_metrics(Path(args.out) / name / "metrics.jsonl")
-                  if "memory_per_rank" in r][-1]
+        records = read_metrics(Path(args.out) / name / "metrics.jsonl")
+        record = [r for r in records if "memory_per_rank" in r][-1]
+        # the steps after the first (traced: tracemalloc's cost is within the noise)
+        step_s = statistics.median(r["step_time_s"] for r in records
+                                   if r.get("step", 0) >= 2 and "step_time_s" in r)
         pred = predicted(bench_config(parallel, mode, ranks))
         for r, m in enumerate(record["memory_per_rank"]):
             p = pred[m["pp_rank"]]
-            rows.append({"layout": name, "rank": r, "measured": m, "predicted": p})
+            rows.append({"layout": name, "rank": r, "measured": m, "predicted": p,
+                         "step_s": step_s})
     print(f"load average after: {load()}")
     Path(args.out, "memory.json").write_text(json.dumps(rows, indent=1))
     mib = 2 ** 20
     print("layout | rank | params | grads | optimizer | buffers | other | activations | "
-          "peak (MiB) | predicted | error | predicted act.+work | RSS peak")
+          "peak (MiB) | predicted | error | predicted act.+work | RSS peak | step (s)")
     worst = 0.0
     for row in rows:
         m, p = row["measured"], row["predicted"]
@@ -227,7 +232,8 @@ def layouts(args) -> None:
                                                         "buffers", "other", "activations"))
         print(f"{row['layout']} | {row['rank']} | {cells} | {m['peak'] / mib:.1f} | "
               f"{p['total'] / mib:.1f} | {100 * err:+.1f}% | "
-              f"{(p['activations'] + p['workspace']) / mib:.1f} | {m['rss_peak'] / mib:.0f}")
+              f"{(p['activations'] + p['workspace']) / mib:.1f} | {m['rss_peak'] / mib:.0f} | "
+              f"{row['step_s']:.2f}")
     print(f"worst |error| {100 * worst:.1f}% over {len(rows)} rank rows")
 
 

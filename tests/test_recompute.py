@@ -58,7 +58,7 @@ def test_gradients_are_bitwise_those_without_recomputation(dtype, mode, names, t
         [n for n, _ in again.named_parameters()]  # checkpoints keep their names
 
 
-def test_full_keeps_the_input_only_and_selective_all_but_the_probabilities():
+def test_full_keeps_the_input_only_and_selective_all_but_the_attention_core():
     x, y = batch()
     full, sel = GPT(MODEL, seed=0), GPT(MODEL, seed=0)
     recompute.apply(full, "full")
@@ -71,7 +71,7 @@ def test_full_keeps_the_input_only_and_selective_all_but_the_probabilities():
             assert kept.x is not cache.blocks[k - 1].x
     assert not isinstance(cache.head, recompute.Kept)  # the head is not selected
     _, cache = sel.forward(x, y)
-    assert all(c.attn.p is None for c in cache.blocks)
+    assert all(c.attn.p is None and c.attn.proj is None for c in cache.blocks)
     assert all(c.attn.q is not None for c in cache.blocks)
     plain_cache = GPT(MODEL, seed=0).forward(x, y)[1]
     assert plain_cache.blocks[0].attn.p.shape == (4, MODEL.n_head, 16, 16)
@@ -141,10 +141,10 @@ def test_a_piece_that_does_not_exist_is_a_config_error_naming_it():
         config(recompute="some").validate(1)
     with pytest.raises(ConfigError, match=r"recompute_pieces \(\['last'\]\) needs recompute"):
         config(recompute_pieces=("last",)).validate(1)
-    cnn = Config(model=ModelConfig(kind="cnn"), parallel=ParallelConfig(),
-                 train=TrainConfig(batch_size=4, recompute="full"))
+    seg3d = Config(model=ModelConfig(kind="seg3d"), parallel=ParallelConfig(),
+                   train=TrainConfig(batch_size=4, recompute="full"))
     with pytest.raises(ConfigError, match=r"declares none: it must be \"none\""):
-        cnn.validate(1)
+        seg3d.validate(1)
     assert config(recompute="full", recompute_pieces=("first", "middle.2")).validate(1)
 
 
@@ -168,12 +168,14 @@ def test_the_planner_counts_what_recomputation_keeps_and_makes_again():
 
     b, s = 4, 4
     p_bytes = s * b * MODEL.n_head * MODEL.seq_len ** 2
+    y_bytes = s * b * MODEL.seq_len * MODEL.d_model  # the weighted sum, proj's input
     x, y = batch(b)
     cache = GPT(MODEL, seed=0).forward(x, y)[1]
     assert cache.blocks[0].attn.p.nbytes == p_bytes
+    assert cache.blocks[0].attn.proj.x.nbytes == y_bytes
     assert mem.kept_block_bytes(MODEL, b, 1, False, "none") - \
-        mem.kept_block_bytes(MODEL, b, 1, False, "selective") == p_bytes
-    assert mem.recompute_bytes(MODEL, b, 1, False, "selective") == p_bytes
+        mem.kept_block_bytes(MODEL, b, 1, False, "selective") == p_bytes + y_bytes
+    assert mem.recompute_bytes(MODEL, b, 1, False, "selective") == p_bytes + y_bytes
     assert mem.recompute_bytes(MODEL, b, 1, False, "full") == \
         mem.block_activation_bytes(MODEL, b, 1, False)
     boundary = mem.boundary_bytes(MODEL, b, 1, False)
@@ -181,3 +183,42 @@ def test_the_planner_counts_what_recomputation_keeps_and_makes_again():
         == 2 * boundary
     assert mem.chunk_activation_bytes(MODEL, b, 1, False, 2, False, False, True, "none") \
         == 2 * mem.block_activation_bytes(MODEL, b, 1, False) + boundary
+
+
+def attention_kept_bytes(layer, x):
+    """Bytes of the arrays one attention forward keeps for its backward, each base
+    buffer once (``memreport``'s ledger): (without, with) the layer's input x."""
+    from hpctrain.memreport import _Ledger
+
+    _, cache = layer.forward(x)
+    arrays = [a for a in (cache.q, cache.k, cache.v, cache.p) if a is not None]
+    arrays += [] if cache.proj is None else [cache.proj.x]
+    core = _Ledger().count(arrays)
+    ledger = _Ledger()
+    return core, ledger.count([cache.qkv.x]) + ledger.count(arrays)
+
+
+@pytest.mark.parametrize("d_model, n_head", [(256, 8), (384, 6)])
+def test_selective_cuts_attention_activations_to_q_k_v(d_model, n_head):
+    """At T = 256, the attention sub-layer's kept bytes with and without selective
+    recomputation, counted from the arrays its cache holds. Selective keeps q, k, v
+    (3 C a token) and the layer input (C); none adds P (H T) and y = P v (C). So the
+    factor is (4 C + H T) / 3 C = (4 + T / D) / 3 on the core, (5 + T / D) / 4 with
+    the input: with head size D = 32, 4.0x and 3.25x (>= 3x); with the benchmark
+    GPT's D = 64, 2.67x and 2.25x, the most any scheme that keeps q, k and v can
+    reach at T = 256 (3x needs T >= 5 D)."""
+    b, T = 2, 256
+    x = np.random.default_rng(0).standard_normal((b, T, d_model)).astype(np.float32)
+    kept = {}
+    for selective in (False, True):
+        layer = CausalSelfAttention(d_model, n_head, rng=np.random.default_rng(1))
+        layer.recompute_scores = selective
+        kept[selective] = attention_kept_bytes(layer, x)
+    (core0, all0), (core1, all1) = kept[False], kept[True]
+    C, H, D = d_model, n_head, d_model // n_head
+    assert core1 == 4 * b * T * 3 * C  # q, k, v: one (B, T, 3C) array
+    assert core0 == 4 * b * T * (4 * C + H * T)
+    assert core0 / core1 == pytest.approx((4 + T / D) / 3)
+    assert all0 / all1 == pytest.approx((5 + T / D) / 4)
+    if D <= 32:
+        assert core0 / core1 >= 3 and all0 / all1 >= 3

@@ -30,7 +30,7 @@ class AttentionCache(NamedTuple):
     k: np.ndarray  # (B, H, T, D)
     v: np.ndarray  # (B, H, T, D)
     p: np.ndarray | None  # (B, H, T, T) attention probabilities; None: recomputed
-    proj: LinearCache
+    proj: LinearCache | None  # proj's input y (B, T, H D); None: recomputed as P v
 
 
 class CausalSelfAttention(Module):
@@ -41,10 +41,14 @@ class CausalSelfAttention(Module):
     ``dq = dS k / sqrt(D)``, ``dk = dS^T (q / sqrt(D))``.
 
     ``recompute_scores`` (selective recomputation, ``hpctrain.parallel.recompute``):
-    forward drops ``P`` from the cache once ``y`` is computed, and backward computes it
-    again from the cached (scaled) ``q`` and ``k`` by the same products and the same
-    softmax, so the gradients are bitwise those of the kept ``P``. It saves
-    ``B H T^2`` elements a layer for one ``q k^T`` product and one softmax again.
+    the cache keeps the inputs of the score/softmax/weighted-sum core, q, k and v (the
+    qkv output), and the layer's input x (qkv's weight gradient reads it), as
+    Megatron's selective recomputation does; it drops ``P`` and the weighted sum
+    ``y = P v`` (proj's input). Backward computes both again from the cached (scaled)
+    ``q``, ``k`` and ``v`` by the same products and the same softmax, so the gradients
+    are bitwise those of the kept arrays. Per token and layer that keeps ``C + 3 C``
+    elements instead of ``C + 3 C + H T + C``, for one ``q k^T``, one softmax and one
+    ``P v`` again.
     """
 
     recompute_scores = False  # a class default; set per instance
@@ -75,19 +79,23 @@ class CausalSelfAttention(Module):
         products_over_rows(lambda *blocks: _attend(*blocks, mask, scale),
                            q, k, v, p, y.transpose(0, 2, 1, 3))
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
-        kept = None if self.recompute_scores else p  # selective: P is recomputed
-        return out, AttentionCache(qkv_cache, q, k, v, kept, proj_cache)
+        if self.recompute_scores:  # selective: P and y are made again in backward
+            return out, AttentionCache(qkv_cache, q, k, v, None, None)
+        return out, AttentionCache(qkv_cache, q, k, v, p, proj_cache)
 
     def backward(self, dout: np.ndarray, cache: AttentionCache) -> np.ndarray:
         # dout (B, T, C) -> dx (B, T, C)
         B, T, _ = dout.shape
         H, D = self.n_head, self.head_dim
-        q, k, v, p = cache.q, cache.k, cache.v, cache.p
-        if p is None:  # selective recomputation: P again, exactly as forward made it
+        q, k, v, p, proj_cache = cache.q, cache.k, cache.v, cache.p, cache.proj
+        if p is None:  # selective recomputation: P and y again, exactly as forward made them
             p = np.empty((B, H, T, T), dtype=q.dtype)
+            y = np.empty((B, T, H, D), dtype=q.dtype)
             mask = _future_mask(T)
-            products_over_rows(lambda *blocks: _scores(*blocks, mask), q, k, p)
-        dy = self.proj.backward(dout, cache.proj)  # (B, T, H D)
+            products_over_rows(lambda *blocks: _attend_again(*blocks, mask),
+                               q, k, v, p, y.transpose(0, 2, 1, 3))
+            proj_cache = LinearCache(y.reshape(B, T, H * D))  # what proj.forward kept
+        dy = self.proj.backward(dout, proj_cache)  # (B, T, H D)
         dy = dy.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)
         dqkv = np.empty((B, T, 3, H, D), dtype=dout.dtype)
         dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D), views into dqkv
@@ -101,6 +109,12 @@ def _attend(q, k, v, p, y, mask, scale) -> None:
     # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
     # written in place; q is scaled in place (the cache keeps it scaled)
     q *= scale
+    _scores(q, k, p, mask)
+    np.matmul(p, v, out=y)
+
+
+def _attend_again(q, k, v, p, y, mask) -> None:
+    # a block of the batch: _attend without the scaling (the cached q is scaled already)
     _scores(q, k, p, mask)
     np.matmul(p, v, out=y)
 

@@ -7,10 +7,12 @@
     "none"       the whole cache (every activation backward reads)
     "full"       the piece's input only; backward runs the piece's forward again from
                  it, then the piece's backward on that fresh cache, and drops it
-    "selective"  the whole cache but attention's probabilities P (B, H, T, T), which
-                 each attention layer computes again from its cached q and k
-                 (Megatron's selective recomputation, arXiv 2205.05198): the large
-                 and cheap part, one q k^T product and one softmax a layer
+    "selective"  the whole cache but attention's core: each attention layer keeps
+                 the core's inputs q, k, v (and its own input, for qkv's weight
+                 gradient) and computes the probabilities P (B, H, T, T) and the
+                 weighted sum y = P v (B, T, C) again in backward (Megatron's
+                 selective recomputation, arXiv 2205.05198): the large and cheap
+                 part, one q k^T product, one softmax and one P v a layer
 
 Pieces are named by their place in the pipeline: ``"first"`` (the GPT's embedding),
 ``"middle.K"`` (block K), ``"last"`` (the head); ``"middle"`` is every middle piece.
@@ -136,8 +138,9 @@ def recompute_full(piece: Any) -> None:
 
 
 def recompute_scores(piece: Any) -> int:
-    """Every attention layer of ``piece`` drops and recomputes its probabilities
-    (``CausalSelfAttention.recompute_scores``); return how many there are."""
+    """Every attention layer of ``piece`` drops and recomputes its probabilities and
+    their weighted sum (``CausalSelfAttention.recompute_scores``); return how many
+    there are."""
     from hpctrain.nn import CausalSelfAttention
 
     layers = [m for m in _modules(piece) if isinstance(m, CausalSelfAttention)]

@@ -39,10 +39,11 @@ How the software runs a layout beyond the layout itself is a ``Practice``, one f
 whole comparison (the default is hpctrain's own engine): the element size of
 activations, gradients and messages (bf16: 2); mixed precision (fp32 master weights
 and optimizer state); activation recomputation (``full``: each block's forward again
-before its backward, keeping only its input; ``selective``: the attention scores
-only); whether the data-parallel reduction overlaps the backward; the element-wise
-kernels (hpctrain's NumPy passes, or fused GPU kernels as Megatron's); pipeline
-messages split over the tensor group's links and all-gathered in the node.
+before its backward, keeping only its input; ``selective``: the attention scores,
+softmax and weighted sum only, both per-head products again); whether the
+data-parallel reduction overlaps the backward; the element-wise kernels (hpctrain's
+NumPy passes, or fused GPU kernels as Megatron's); pipeline messages split over the
+tensor group's links and all-gathered in the node.
 """
 
 from __future__ import annotations

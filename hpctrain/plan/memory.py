@@ -131,13 +131,21 @@ def kept_block_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
                      s: int | None = None) -> int:
     """What one block keeps per microbatch until its backward: its whole cache, or
     with ``recompute = "full"`` its input only, with ``"selective"`` all but the
-    attention scores (recomputed from q and k in backward)."""
+    attention probabilities and their weighted sum (recomputed from q, k and v in
+    backward)."""
     if recompute == "full":
         return boundary_bytes(m, b, tp, sp, s)
     whole = block_activation_bytes(m, b, tp, sp, s)
     if recompute == "selective":
-        whole -= (s or itemsize(m)) * b * m.n_head // tp * m.seq_len ** 2
+        whole -= attention_core_bytes(m, b, tp, s)
     return whole
+
+
+def attention_core_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None) -> int:
+    """What selective recomputation makes again in a block's backward: P (b, H/t, T, T)
+    and the weighted sum y = P v (b, T, C/t), proj's input."""
+    t = m.seq_len
+    return (s or itemsize(m)) * (b * m.n_head // tp * t * t + b * t * m.d_model // tp)
 
 
 def chunk_activation_bytes(m: ModelConfig, b: int, tp: int, sp: bool, blocks: int,
@@ -156,11 +164,11 @@ def recompute_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
                     s: int | None = None) -> int:
     """What a recomputed block's backward holds again beyond the workspace
     (``parallel/recompute.py``): its whole cache (full), or its attention
-    probabilities P (b, H/t, T, T) (selective)."""
+    probabilities P (b, H/t, T, T) and their weighted sum (b, T, C/t) (selective)."""
     if recompute == "full":
         return block_activation_bytes(m, b, tp, sp, s)
     if recompute == "selective":
-        return (s or itemsize(m)) * b * m.n_head // tp * m.seq_len ** 2
+        return attention_core_bytes(m, b, tp, s)
     return 0
 
 
