@@ -1,22 +1,32 @@
-"""Local-loss pipeline training against end-to-end 1F1B backprop, same layout, one job.
+"""Local-loss pipeline training against end-to-end 1F1B backprop: three models, pp = 2 and 4.
 
-    mpiexec -n 2 python benchmarks/bench_local_loss.py --epochs 3     # pp = 2
+    python benchmarks/bench_local_loss.py all --plan quick      # minutes: a check
+    python benchmarks/bench_local_loss.py all --plan full --repeats 2   # the figures
 
-Every rank is one pipeline stage (pp = the number of ranks, dp = 1). Both methods
-train the MLP of ``configs/mlp-fashion-mnist.toml`` with ``--hidden`` equal widths
-(pipelining needs one activation shape) on Fashion-MNIST for ``--epochs`` epochs
-through ``hpctrain.train.train``, the same seed, data order and learning-rate
-schedule; they differ only in ``[parallel] pipeline_training``: "backprop" (1F1B) or
-"local" (``hpctrain.parallel.local_loss``). The test set is evaluated after every
-epoch. With ``--repeats 2`` the pair runs twice, the second time in the other order
-(backprop, local, local, backprop), so a drift of the machine's speed falls on both.
+``all`` (no mpiexec: it starts one ``mpiexec -n PP`` job per run) trains, for every
+model of ``--models`` and every pp of ``--pps``, both methods on the same seed, data
+order and learning-rate schedule through ``hpctrain.train.train``; they differ only
+in ``[parallel] pipeline_training``: "backprop" (1F1B) or "local"
+(``hpctrain.parallel.local_loss``). Every rank is one pipeline stage (dp = 1),
+``--microbatches`` per step, ``balance = "params"`` (the models' declared costs):
 
-Printed per method and run: the training seconds of each epoch (the sum of the
-steps' ``step_time_s``: evaluation excluded), the test accuracy after each epoch,
-and the load average before and after (the machine may be shared: compare methods
-within one run of this command). ``OUT/accuracy.png``: test accuracy against the
-training wall-clock time, one line per method and run; ``OUT/results.json`` the
-figures.
+* ``mlp``: ``configs/mlp-fashion-mnist.toml`` with hidden 256 x 5 (equal widths);
+* ``cnn``: ``configs/cnn-fashion-mnist.toml`` (channels 16, 32: four conv pieces);
+* ``gpt``: ``configs/gpt-shakespeare.toml`` (4 blocks).
+
+Plans: ``quick`` a few steps of each (a check that everything runs, figures
+meaningless), ``full`` 3 epochs of the MLP, 2 of the CNN (468 steps of 128 images an
+epoch) and the GPT config's 400 steps, evaluated on the whole test set (9,984 images)
+or 8 validation batches. ``--repeats 2`` runs each pair twice, the second time in the
+other order, so a drift of the machine's speed falls on both methods.
+
+Printed per run: the mean training step (``step_time_s``, evaluation excluded, the
+first step left out), as seconds an epoch for the image models, the final test
+accuracy or validation loss, and the load average before and after (compare methods
+within one run of this command). ``OUT/accuracy.png``: test accuracy (MLP, CNN) or
+validation loss (GPT) against training wall-clock time, one line per method and pp;
+``OUT/results.json`` every figure. ``run`` is one training run, under mpiexec (what
+``all`` starts).
 """
 
 from __future__ import annotations
@@ -24,133 +34,225 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from mpi4py import MPI
 
 import hpctrain  # noqa: F401  (before NumPy, which h5py loads: OPENBLAS_THREAD_TIMEOUT)
 from hpctrain.config import load
-from hpctrain.train import train
 
 METHODS = ("backprop", "local")
+LABELS = {"backprop": "1F1B backprop", "local": "local losses"}
 
 
-def run_config(path: str, *, pp: int, hidden: tuple[int, ...], method: str, m: int,
-               steps: int, per_epoch: int, run_dir: Path, seed: int):
-    overrides = {"model.hidden": list(hidden), "parallel.pp": pp, "parallel.dp": 1,
-                 "parallel.microbatches": m, "parallel.schedule": "1f1b",
-                 "parallel.pipeline_training": method, "parallel.balance": "params",
-                 "train.steps": steps, "train.eval_interval": per_epoch,
-                 "train.log_interval": per_epoch, "train.save_interval": 0,
-                 "train.run_dir": str(run_dir), "train.seed": seed}
-    return load(path, overrides)
+@dataclass(frozen=True)
+class Case:
+    config: str
+    overrides: dict
+    metric: str  # val_accuracy (higher is better) or val_loss
+    images: bool  # epochs of the training split (else: steps of the config)
 
 
-def epochs_of(run_dir: Path, per_epoch: int) -> list[dict]:
-    """Per epoch: training seconds, cumulative seconds, test accuracy and loss."""
+CASES = {
+    "mlp": Case("configs/mlp-fashion-mnist.toml", {"model.hidden": [256] * 5},
+                "val_accuracy", True),
+    "cnn": Case("configs/cnn-fashion-mnist.toml", {}, "val_accuracy", True),
+    "gpt": Case("configs/gpt-shakespeare.toml", {}, "val_loss", False),
+}
+# per model: (epochs or steps, evaluations per run, evaluation batches)
+PLANS = {
+    "quick": {"mlp": (40, 2, 4), "cnn": (6, 2, 2), "gpt": (8, 2, 2)},
+    "full": {"mlp": ("3e", 3, 78), "cnn": ("2e", 2, 78), "gpt": (400, 8, 8)},
+}
+
+
+def steps_per_epoch(case: Case) -> int:
+    import h5py
+
+    base = load(case.config)
+    with h5py.File(base.data.path, "r") as f:
+        return len(f["train/labels"]) // base.train.batch_size
+
+
+def schedule(model: str, plan: str) -> tuple[int, int, int]:
+    """(steps, steps between evaluations, evaluation batches) of ``model`` in ``plan``."""
+    length, evals, batches = PLANS[plan][model]
+    steps = (int(length[:-1]) * steps_per_epoch(CASES[model]) if isinstance(length, str)
+             else length)
+    return steps, max(1, steps // evals), batches
+
+
+# ---------------------------------------------------------------------------------
+# one run, under mpiexec
+
+
+def read_run(run_dir: Path, metric: str) -> dict:
+    """Step times, and the metric against the training clock at every evaluation."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = {r["step"]: r for r in records if "step_time_s" in r}
-    out, clock = [], 0.0
-    for e in range(1, max(steps) // per_epoch + 1):
-        seconds = sum(steps[s]["step_time_s"] for s in range((e - 1) * per_epoch + 1,
-                                                            e * per_epoch + 1))
-        clock += seconds
-        end = steps[e * per_epoch]
-        out.append({"epoch": e, "seconds": seconds, "clock": clock,
-                    "accuracy": end.get("val_accuracy"), "val_loss": end.get("val_loss")})
-    return out
+    times, clock, curve = [], 0.0, []
+    for r in records:
+        if "step_time_s" in r:
+            times.append(r["step_time_s"])
+            clock += r["step_time_s"]
+        if metric in r:
+            curve.append({"step": r["step"], "clock": clock, "value": r[metric],
+                          "val_loss": r.get("val_loss")})
+    return {"step_times": times, "curve": curve}
+
+
+@click.group()
+def main() -> None:
+    """Local-loss pipeline training against 1F1B (module docstring)."""
+
+
+@main.command("run")
+@click.option("--model", type=click.Choice(sorted(CASES)), required=True, help="Which model.")
+@click.option("--method", type=click.Choice(METHODS), required=True,
+              help="pipeline_training: backprop (1F1B) or local.")
+@click.option("--steps", type=int, required=True, help="Training steps.")
+@click.option("--eval-every", type=int, required=True, help="Steps between evaluations.")
+@click.option("--eval-batches", type=int, required=True, help="Batches per evaluation.")
+@click.option("--microbatches", default=4, show_default=True, help="Microbatches per step.")
+@click.option("--run-dir", type=click.Path(file_okay=False), required=True,
+              help="The run's folder (replaced); its summary goes to RUN_DIR/run.json.")
+def run(model: str, method: str, steps: int, eval_every: int, eval_batches: int,
+        microbatches: int, run_dir: str) -> None:
+    """One training run, one pipeline stage a rank (under mpiexec -n PP)."""
+    from mpi4py import MPI
+
+    from hpctrain.train import train
+
+    comm = MPI.COMM_WORLD
+    pp, rank = comm.Get_size(), comm.Get_rank()
+    if pp < 2:
+        raise click.UsageError("run it with mpiexec -n 2 (or 4): one pipeline stage a rank")
+    case, out = CASES[model], Path(run_dir)
+    if rank == 0 and out.exists():
+        shutil.rmtree(out)
+    comm.Barrier()
+    overrides = case.overrides | {
+        "parallel.pp": pp, "parallel.dp": 1, "parallel.microbatches": microbatches,
+        "parallel.schedule": "1f1b", "parallel.pipeline_training": method,
+        "parallel.balance": "params", "train.steps": steps, "train.eval_interval": eval_every,
+        "train.eval_batches": eval_batches, "train.log_interval": eval_every,
+        "train.save_interval": 0, "train.run_dir": str(out)}
+    cfg = load(case.config, overrides).validate(pp)
+    load_before = os.getloadavg()[0]
+    summary = train(cfg, comm, quiet=True)
+    if rank == 0:
+        figures = read_run(out, case.metric) | {
+            "model": model, "method": method, "pp": pp, "microbatches": microbatches,
+            "steps": steps, "total_s": summary.seconds, "load_before": load_before,
+            "load_after": os.getloadavg()[0]}
+        (out / "run.json").write_text(json.dumps(figures))
+
+
+# ---------------------------------------------------------------------------------
+# every run, one job each
+
+
+def mean_step(r: dict) -> float:
+    times = r["step_times"][1:] or r["step_times"]  # the first step warms up
+    return sum(times) / len(times)
 
 
 def plot(results: list[dict], out: Path) -> Path:
-    import matplotlib
+    from hpctrain.plot import _pyplot, _save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in results:
-        xs = [0.0] + [e["clock"] for e in r["epochs"]]
-        ys = [r["initial_accuracy"]] + [100 * e["accuracy"] for e in r["epochs"]]
-        style = "-o" if r["method"] == "local" else "--s"
-        ax.plot(xs, ys, style, label=f"{r['label']} (run {r['run']})")
-    ax.set_xlabel("training wall-clock time (s)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(bottom=max(0.0, min(min(100 * e["accuracy"] for e in r["epochs"])
-                                    for r in results) - 5))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(f"Fashion-MNIST MLP, pp = {results[0]['pp']}: local losses vs 1F1B backprop")
-    path = out / "accuracy.png"
+    plt = _pyplot()
+    models = list(dict.fromkeys(r["model"] for r in results))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        accuracy = CASES[model].metric == "val_accuracy"
+        for r in (r for r in results if r["model"] == model):
+            xs = [p["clock"] for p in r["curve"]]
+            ys = [100 * p["value"] if accuracy else p["value"] for p in r["curve"]]
+            style = ("-" if r["method"] == "local" else "--") + ("o" if r["pp"] == 2 else "s")
+            ax.plot(xs, ys, style, label=f"{LABELS[r['method']]}, pp {r['pp']} (run {r['run']})")
+        ax.set_title(f"{model.upper()}: {'test accuracy' if accuracy else 'validation loss'}")
+        ax.set_xlabel("training wall-clock time (s)")
+        ax.set_ylabel("test accuracy (%)" if accuracy else "validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("local losses vs 1F1B backprop, one pipeline stage a rank")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, out / "accuracy.png")
 
 
-@click.command()
-@click.option("--config", "config_path", default="configs/mlp-fashion-mnist.toml",
-              show_default=True, help="The MLP config (model, train, data sections).")
-@click.option("--epochs", default=3, show_default=True, help="Epochs per run.")
-@click.option("--hidden", default="256,256,256,256,256", show_default=True,
-              help="Hidden widths, equal (the activation between stages has one shape).")
+def report(results: list[dict], per_epoch: int) -> None:
+    print(f"\n{'model':>5} {'pp':>2} {'method':>14} {'run':>3}  {'time':>16}  "
+          f"{'final':>18}  load")
+    for r in results:
+        step = mean_step(r)
+        time_s = (f"{step * per_epoch:7.2f} s/epoch" if CASES[r["model"]].images
+                  else f"{1e3 * step:7.1f} ms/step")
+        last = r["curve"][-1]["value"] if r["curve"] else float("nan")
+        final = (f"test acc {100 * last:6.2f}%" if CASES[r["model"]].metric == "val_accuracy"
+                 else f"val loss {last:.4f}")
+        print(f"{r['model']:>5} {r['pp']:>2} {LABELS[r['method']]:>14} {r['run']:>3}  {time_s}  "
+              f"{final:>18}  {r['load_before']:.1f} -> {r['load_after']:.1f}")
+    print("\nlocal / 1F1B, mean step time over the runs (< 1: local is faster):")
+    for model, pp in dict.fromkeys((r["model"], r["pp"]) for r in results):
+        mean = {m: [mean_step(r) for r in results if (r["model"], r["pp"], r["method"]) ==
+                    (model, pp, m)] for m in METHODS}
+        if all(mean.values()):
+            ratio = (sum(mean["local"]) / len(mean["local"])) / (
+                sum(mean["backprop"]) / len(mean["backprop"]))
+            print(f"  {model} pp {pp}: {ratio:.3f}")
+
+
+@main.command("all")
+@click.option("--plan", type=click.Choice(sorted(PLANS)), default="quick", show_default=True,
+              help="quick: a few steps each (a check); full: the figures (see the docstring).")
+@click.option("--models", default="mlp,cnn,gpt", show_default=True,
+              help="Comma-separated models, of mlp, cnn, gpt.")
+@click.option("--pps", default="2,4", show_default=True, help="Comma-separated pipeline sizes.")
 @click.option("--microbatches", default=4, show_default=True, help="Microbatches per step.")
 @click.option("--repeats", default=1, show_default=True,
-              help="Pairs of runs; odd pairs run backprop first, even ones local first.")
+              help="Pairs of runs per case; odd pairs run backprop first, even ones local.")
+@click.option("--timeout", "limit", default=3600, show_default=True,
+              help="Seconds one run may take before it is killed (a failure).")
 @click.option("--out", default="runs/bench-local-loss", show_default=True,
               type=click.Path(file_okay=False), help="Folder for the runs, PNG and JSON.")
-def main(config_path: str, epochs: int, hidden: str, microbatches: int, repeats: int,
-         out: str) -> None:
-    comm = MPI.COMM_WORLD
-    rank, pp = comm.Get_rank(), comm.Get_size()
-    if pp < 2:
-        raise click.UsageError("run it with mpiexec -n 2 (or 4): one pipeline stage a rank")
-    widths = tuple(int(h) for h in hidden.split(","))
-    base = load(config_path)
-    import h5py
-
-    with h5py.File(base.data.path, "r") as f:
-        n_train = len(f["train/labels"])
-    per_epoch = n_train // base.train.batch_size
+def run_all(plan: str, models: str, pps: str, microbatches: int, repeats: int, limit: int,
+            out: str) -> None:
+    """Every model, pp and method, one mpiexec job a run; the table and the PNG."""
+    names = [m for m in models.split(",") if m]
+    for name in names:
+        if name not in CASES:
+            raise click.BadParameter(f"{name!r} is not one of {sorted(CASES)}",
+                                     param_hint="--models")
     out_dir = Path(out)
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"} | dict(os.environ)
     results = []
-    for run in range(1, repeats + 1):
-        order = METHODS if run % 2 else METHODS[::-1]
-        for method in order:
-            run_dir = out_dir / f"{method}-{run}"
-            if rank == 0 and run_dir.exists():
-                shutil.rmtree(run_dir)
-            comm.Barrier()
-            cfg = run_config(config_path, pp=pp, hidden=widths, method=method,
-                             m=microbatches, steps=epochs * per_epoch, per_epoch=per_epoch,
-                             run_dir=run_dir, seed=base.train.seed).validate(pp)
-            load_before = os.getloadavg()[0]
-            summary = train(cfg, comm, quiet=True)
-            if rank == 0:
-                first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-                r = {"method": method, "run": run, "pp": pp, "microbatches": microbatches,
-                     "hidden": list(widths), "label": "local losses" if method == "local"
-                     else "1F1B backprop",
-                     "initial_accuracy": 100 * first.get("val_accuracy", 0.0),
-                     "epochs": epochs_of(run_dir, per_epoch), "total_s": summary.seconds,
-                     "load_before": load_before, "load_after": os.getloadavg()[0]}
-                results.append(r)
-                per = " ".join(f"{e['seconds']:.1f}" for e in r["epochs"])
-                acc = " ".join(f"{100 * e['accuracy']:.2f}" for e in r["epochs"])
-                print(f"{r['label']:>14} run {run}: s/epoch {per} | test acc % {acc} | "
-                      f"load {load_before:.2f} -> {r['load_after']:.2f}", flush=True)
-    if rank == 0:
-        print(f"\npp = {pp}, m = {microbatches}, hidden {list(widths)}, {per_epoch} steps an "
-              f"epoch of {base.train.batch_size} images")
-        for method in METHODS:
-            mine = [r for r in results if r["method"] == method]
-            mean_s = sum(e["seconds"] for r in mine for e in r["epochs"]) / sum(
-                len(r["epochs"]) for r in mine)
-            final = [100 * r["epochs"][-1]["accuracy"] for r in mine]
-            print(f"{mine[0]['label']:>14}: {mean_s:.2f} s/epoch (mean), final test "
-                  f"accuracy {', '.join(f'{a:.2f}%' for a in final)}")
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-        print(f"plot: {plot(results, out_dir)}")
+    per_epoch = steps_per_epoch(CASES["mlp"])
+    for model in names:
+        steps, every, batches = schedule(model, plan)
+        for pp in (int(p) for p in pps.split(",")):
+            for run_no in range(1, repeats + 1):
+                for method in METHODS if run_no % 2 else METHODS[::-1]:
+                    run_dir = out_dir / f"{model}-pp{pp}-{method}-{run_no}"
+                    cmd = [str(mpiexec), "-n", str(pp), sys.executable, "-m", "mpi4py",
+                           __file__, "run", "--model", model, "--method", method,
+                           "--steps", str(steps), "--eval-every", str(every),
+                           "--eval-batches", str(batches), "--microbatches", str(microbatches),
+                           "--run-dir", str(run_dir)]
+                    t0 = time.perf_counter()
+                    subprocess.run(cmd, check=True, timeout=limit, env=env)
+                    r = json.loads((run_dir / "run.json").read_text()) | {"run": run_no}
+                    results.append(r)
+                    print(f"{model} pp {pp} {LABELS[method]} run {run_no}: {steps} steps, "
+                          f"mean step {1e3 * mean_step(r):.1f} ms, job "
+                          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    report(results, per_epoch)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"plot: {plot(results, out_dir)}")
 
 
 if __name__ == "__main__":

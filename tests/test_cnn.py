@@ -2,6 +2,7 @@
 rules and registration, its FLOPs, and a short training run on an image file."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -112,13 +113,14 @@ def test_registered_and_validated():
     (dict(channels=(2,) * 5), {}, ["5 stages", "image side 28 to 0", "at most 4 stages"]),
     (dict(n_classes=1), {}, ["n_classes (1)", "at least 2"]),
     (dict(hidden=(8,)), {}, ["['hidden']", "not read by model kind 'cnn'", "'channels'"]),
-    ({}, dict(tp=2), ["CNN classifier supports data parallelism only", "tp is 2"]),
-    ({}, dict(pp=2), ["CNN classifier supports data parallelism only", "pp is 2"]),
+    ({}, dict(tp=2), ["CNN classifier declares no tensor-parallel plan", "tp (2)"]),
+    ({}, dict(pp=8), ["8 * 1 = 8", "the 4 middle pipeline pieces of the CNN classifier"]),
+    ({}, dict(pp=2, sp=2), ["pp (2) must be 1 when sp (2) > 1"]),
 ])
 def test_config_errors_name_the_values(model, par, words):
     cfg = Config(model=ModelConfig(kind="cnn", **model), parallel=ParallelConfig(**par))
     with pytest.raises(ConfigError) as err:
-        cfg.validate(2 if par else 1)
+        cfg.validate(math.prod(par.values()) if par else 1)
     for word in words:
         assert word in str(err.value), (word, str(err.value))
 

@@ -211,3 +211,87 @@ def test_the_cli_exposes_the_mode():
     assert OVERRIDES["pipeline_training"] == "parallel.pipeline_training"
     out = CliRunner().invoke(main, ["train", "--help"]).output
     assert "--pipeline-training [backprop|local]" in out
+
+
+# ---- the CNN: pipeline pieces of differing shapes, BatchNorm, auxiliary heads ----------
+
+def cnn(dtype="float64"):
+    return ModelConfig(kind="cnn", dtype=dtype, input_dim=64, channels=(2, 3), n_classes=3)
+
+
+def test_cnn_pipeline_pieces_compose_to_the_model_in_training_and_evaluation():
+    from hpctrain.models.cnn import CNNClassifier
+
+    m = cnn()
+    model, twin = CNNClassifier(m, seed=0), CNNClassifier(m, seed=0)
+    x, y = data(m)
+    pieces = model.pipeline_pieces()
+    assert pieces is model.pipeline_pieces()  # built once: wrappers on them stay
+    act, cache0 = pieces.first.forward(x)
+    caches = []
+    for j, piece in enumerate(pieces.middle):
+        act, cache = piece.forward(act)
+        caches.append(cache)
+        assert act.shape == CNNClassifier.activation_shape_after(m, x.shape, j)
+    loss, head = pieces.last.forward(act, y)
+    want, want_cache = twin.forward(x, y)
+    assert loss == pytest.approx(want, rel=1e-14)
+    # backward through the pieces is the model's backward
+    model.zero_grad()
+    twin.zero_grad()
+    d = pieces.last.backward(1.0, head)
+    for piece, cache in zip(reversed(pieces.middle), reversed(caches), strict=True):
+        d = piece.backward(d, cache)
+    twin.backward(want_cache)
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(),
+                                 strict=True):
+        np.testing.assert_allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15, err_msg=name)
+    # evaluation: running statistics, as the model's own evaluation
+    act = pieces.first.forward(x)[0]
+    for piece in pieces.middle:
+        act = stages.forward_eval(piece, act)
+    assert pieces.last.eval_metrics(act, y) == twin.eval_metrics(x, y)
+    assert len(CNNClassifier.piece_costs(m).middle) == 4  # every conv: pp up to 4
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_cnn_stages_get_the_gradient_of_their_own_loss_only(pp):
+    from hpctrain.models.cnn import CNNClassifier
+
+    cfg = config(cnn(), pp=pp)
+    ref = LocalLossReference(CNNClassifier(cfg.model, seed=0), cfg, pp)
+    x, y = data(cfg.model)
+    ref.zero_grad()
+    ref.forward_backward(x, y)
+    names = dict((id(p), n) for n, p in ref.named_params)
+    halves = list(zip(np.split(x, 2), np.split(y, 2), strict=True))
+    for s, chunk in enumerate(ref.chunks):
+        own = chunk.parameters() + (ref.heads[s].parameters() if s < len(ref.heads) else [])
+        errors = check_parameters(
+            lambda s=s: np.mean([local_losses(ref, xs, ys)[s] for xs, ys in halves]),
+            [(names[id(p)], p) for p in own])
+        assert max(errors.values()) < TOL, (s, errors)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_chunk_without_input_gradient_learns_the_same_bits(kind):
+    """``input_grad=False`` (local losses) skips the first layer's input gradient and
+    leaves every parameter gradient bitwise as it was."""
+    from hpctrain.models.build import build_model
+
+    m = mlp() if kind == "mlp" else cnn()
+    specs = stages.plan(m, 2)
+    x, y = data(m)
+    got = {}
+    for input_grad in (True, False):
+        model = build_model(m, 0)
+        first, second = (stages.ModelChunk(s, model) for s in specs)
+        act, c0 = first.forward(x, y)
+        loss, c1 = second.forward(act, y)
+        model.zero_grad()
+        dx = second.backward(1.0, c1, input_grad=input_grad)
+        assert (dx is None) == (not input_grad)
+        first.backward(np.ones_like(act), c0)
+        got[input_grad] = {n: p.grad.copy() for n, p in model.named_parameters()}
+    for name, grad in got[True].items():
+        np.testing.assert_array_equal(grad, got[False][name], err_msg=name)

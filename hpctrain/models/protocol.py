@@ -21,8 +21,15 @@ Optional, each one a layout or a feature (the defaults here decline it):
     piece_costs(m)                   Pieces of floats: the cost of each pipeline piece
     pipeline_pieces()                Pieces of modules: first(x) -> act; middle[i](act)
                                      -> act; last(act, targets) -> loss; each with
-                                     forward -> (y, cache), backward(dy, cache) -> dx
+                                     forward -> (y, cache), backward(dy, cache) -> dx;
+                                     a piece may take ``train`` in forward (evaluation
+                                     unlike training: BatchNorm) and ``need_dx`` in
+                                     backward (False: skip an input gradient nobody
+                                     reads, returning None)
     activation_shape(m, x_shape)     the activation between pieces, for (b, T) input
+    activation_shape_after(m, x_shape, j)
+                                     the activation leaving middle piece j, when the
+                                     boundaries differ (the CNN's); default the above
     tensor_plan(sequence_parallel)   TensorPlan: the tensor-parallel plan, as data
     backward_pieces()                [[Parameter]] each finished piece of backward, in
                                      order; backward(..., after_piece) calls
@@ -156,6 +163,10 @@ class Model(Module):
 
     space: Space = Space()  # the whole of each sample, until split_space
     name: str = "model"
+    # whether the model's own forward and backward run its pipeline pieces (the same
+    # instances), so that wrappers put on the pieces (recompute, precision, ZeRO-3)
+    # act at pp = 1 too; a model whose pieces serve only a pipeline says False
+    runs_its_pieces: bool = True
     data_format: str = ""
     config_keys: tuple[str, ...] = ()
 
@@ -181,6 +192,11 @@ class Model(Module):
     @classmethod
     def activation_shape(cls, m: Any, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         raise NotImplementedError(f"the {cls.name} declares no pipeline activation")
+
+    @classmethod
+    def activation_shape_after(cls, m: Any, x_shape: tuple[int, ...],
+                               j: int) -> tuple[int, ...]:
+        return cls.activation_shape(m, x_shape)  # every boundary alike
 
     @classmethod
     def tensor_plan(cls, sequence_parallel: bool) -> TensorPlan | None:

@@ -14,8 +14,10 @@ stage s holding parameters theta_s and head phi_s, and a_s its output::
 
 so the objective is the sum of the stages' losses with the gradient stopped at every
 stage boundary (decoupled greedy learning). **No gradient flows one stage back**: a
-stage's input gradient is never sent, so a stage never waits for a later one and the
-backward half of the point-to-point traffic is gone. (Letting L_s reach stage s - 1,
+stage's input gradient is never sent (nor computed: ``ModelChunk.backward(...,
+input_grad=False)`` skips the first layer's input-gradient GEMM where the piece allows
+it), so a stage never waits for a later one and the backward half of the
+point-to-point traffic is gone. (Letting L_s reach stage s - 1,
 the overlapping variant, would bring back a wait on the next stage's backward for
 every microbatch: the lock this mode exists to remove.)
 
@@ -114,7 +116,7 @@ class LocalStage(Stage):
         with trace.span("B", "compute", mb=i, chunk=self.chunk_index(c)):
             dy = self.dloss if head_cache is None else self.head.backward(self.dloss,
                                                                            head_cache)
-            chunk.backward(dy, cache)  # the input gradient (if any) stops here
+            chunk.backward(dy, cache, input_grad=False)  # nothing goes back a stage
         self.p2p.release(x)
         if i == len(self.xs) - 1 and self.on_chunk_done is not None:
             self.on_chunk_done(c)
@@ -203,10 +205,11 @@ class LocalLossReference:
                 out, cache = chunk.forward(act, ys)
                 if s < len(self.heads):
                     loss, head_cache = self.heads[s].forward(out, ys)
-                    chunk.backward(self.heads[s].backward(scale / m, head_cache), cache)
+                    chunk.backward(self.heads[s].backward(scale / m, head_cache), cache,
+                                   input_grad=False)
                 else:
                     loss = out
-                    chunk.backward(scale / m, cache)
+                    chunk.backward(scale / m, cache, input_grad=False)
                 self.local_losses[s] += loss / m
                 act = out  # the next stage's input: data, no gradient goes back
         return self.local_losses[-1]

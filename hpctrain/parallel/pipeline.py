@@ -181,13 +181,14 @@ class Stage:
     """
 
     def __init__(self, chunks: list[stages.ModelChunk], p2p: P2P,
-                 act_shape: Callable[[tuple[int, int]], tuple[int, ...]],
+                 act_shape: Callable[[tuple[int, int], int], tuple[int, ...]],
                  seq_divisor: int = 1):
         self.parts = chunks
         self.p2p = p2p
         self.pp_size, self.pp_rank = p2p.pp_size, p2p.pp_rank
         self.virtual_stages = len(chunks)
-        self.activation_shape = act_shape  # the model's: (mb, T) -> (mb, T, C)
+        # the model's: ((mb, T), j) -> the activation leaving middle piece j, (mb, T, C)
+        self.activation_shape = act_shape
         self.seq_divisor = seq_divisor  # tp with sequence parallelism: T is split
         self.on_chunk_done = None
         self.begin(np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), 1)  # no step yet
@@ -196,8 +197,12 @@ class Stage:
               training: bool = False) -> None:
         """Split this rank's batch x, y (b, T) into m microbatches (b/m, T)."""
         self.xs, self.ys = np.split(x, m), np.split(y, m)
-        b, t = x.shape
-        self.act_shape = self.activation_shape((b // m, t // self.seq_divisor))  # (mb, T, C)
+        b, t = x.shape[:2]
+        mb = (b // m, t // self.seq_divisor)
+        # each local chunk's input and output activation (mb, T, C): the shapes of the
+        # boundaries before and after its middle pieces (one shape for most models)
+        self.in_shapes = [self.boundary_shape(mb, part.spec.start - 1) for part in self.parts]
+        self.out_shapes = [self.boundary_shape(mb, part.spec.stop - 1) for part in self.parts]
         self.dloss, self.training = dloss, training
         self.caches: dict[tuple[int, int], tuple[list, np.ndarray | None]] = {}
         self.live = self.peak = 0
@@ -207,11 +212,16 @@ class Stage:
     def chunk_index(self, c: int) -> int:
         return stages.model_chunk(c, self.pp_rank, self.pp_size)
 
+    def boundary_shape(self, mb: tuple[int, int], j: int) -> tuple[int, ...] | None:
+        """The activation leaving middle piece j (None before the first: data)."""
+        return self.activation_shape(mb, j) if j >= 0 else None
+
     def forward_step(self, i: int, x: np.ndarray | None, c: int = 0) -> np.ndarray | None:
         t0 = time.thread_time()
         chunk = self.parts[c]
         with trace.span("F", "compute", mb=i, chunk=self.chunk_index(c)):
-            out, cache = chunk.forward(self.xs[i] if x is None else x, self.ys[i])
+            out, cache = chunk.forward(self.xs[i] if x is None else x, self.ys[i],
+                                       train=self.training)
         if chunk.last is not None:
             self.loss_sum += out / len(self.xs)
             out = None
@@ -239,13 +249,13 @@ class Stage:
         return dx
 
     def recv_forward(self, i: int, c: int = 0) -> np.ndarray | None:
-        return self.p2p.recv_forward(self.act_shape, self.chunk_index(c), i)
+        return self.p2p.recv_forward(self.in_shapes[c], self.chunk_index(c), i)
 
     def send_forward(self, i: int, y: np.ndarray | None, c: int = 0) -> None:
         self.p2p.send_forward(y, self.chunk_index(c), i)
 
     def recv_backward(self, i: int, c: int = 0) -> np.ndarray | None:
-        return self.p2p.recv_backward(self.act_shape, self.chunk_index(c), i)
+        return self.p2p.recv_backward(self.out_shapes[c], self.chunk_index(c), i)
 
     def send_backward(self, i: int, dx: np.ndarray | None, c: int = 0) -> None:
         self.p2p.send_backward(dx, self.chunk_index(c), i)
@@ -279,10 +289,13 @@ class PipelineEngine:
         seq_divisor = topo.tp_size if par.sequence_parallel else 1
         # the class's method, not the model's: a closure over the model would keep the
         # other stages' parameters and gradients alive on every rank
-        act_shape = functools.partial(type(model).activation_shape, cfg.model)
+        act_shape = functools.partial(_activation_shape_after, type(model), cfg.model)
         self.stage = Stage(chunks, self.p2p, act_shape, seq_divisor)
         mine = {id(p) for chunk in chunks for p in chunk.parameters()}
         self.named_params = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        # this stage's state that is not trained (BatchNorm's running statistics)
+        held = {id(a) for chunk in chunks for part in chunk.parts for _, a in part.named_buffers()}
+        self.named_buffers = [(n, a) for n, a in model.named_buffers() if id(a) in held]
         self.params = [p for _, p in self.named_params]
         self.tied = _tied_parameters(model) if self.pp_size > 1 else []
         # whether the last piece gives evaluation figures (the same on every stage)
@@ -350,10 +363,10 @@ class PipelineEngine:
         chunk, p2p = self.stage.parts[0], self.p2p
         k = self.stage.chunk_index(0)
         b, t = x.shape[:2]
-        inp = p2p.recv_forward(self.stage.activation_shape((b, t)), k, 0)
+        inp = p2p.recv_forward(self.stage.boundary_shape((b, t), chunk.spec.start - 1), k, 0)
         act = x if inp is None else inp
         for piece in chunk.parts[:-1] if chunk.last is not None else chunk.parts:
-            act = piece.forward(act)[0]
+            act = stages.forward_eval(piece, act)
         figures = None
         if chunk.last is None:
             p2p.send_forward(act, k, 0)
@@ -417,6 +430,13 @@ class PipelineEngine:
                                                self.virtual_stages),
                 "peak_live_caches": int(every[:, 1].max()),
                 "p2p_bytes": int(every[:, 2].sum())}
+
+
+def _activation_shape_after(cls: Any, m: Any, mb: tuple[int, int], j: int) -> tuple[int, ...]:
+    """The model's activation leaving middle piece j, for a microbatch of shape mb (a
+    model whose boundaries differ declares ``activation_shape_after``)."""
+    after = getattr(cls, "activation_shape_after", None)
+    return after(m, mb, j) if after is not None else cls.activation_shape(m, mb)
 
 
 def _tied_parameters(model: Any) -> list:

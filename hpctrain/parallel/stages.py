@@ -177,11 +177,18 @@ def rank_chunks(specs: list[ChunkSpec], pp_rank: int, pp: int) -> list[ChunkSpec
 class ModelChunk:
     """The pieces of a model one ChunkSpec selects, run as one forward and one backward.
 
-    ``forward(inp, targets)``: ``inp`` is the model's input on chunk 0 (the GPT's token
-    ids (B, T)), else the activation (B, T, C); returns the output activation, or the
-    loss on the last chunk, and the list of piece caches. ``backward(dout, caches)``:
-    ``dout`` is the output gradient, or the scalar d(objective)/d(loss) on the last
-    chunk; returns the input gradient (None on chunk 0, whose input is data).
+    ``forward(inp, targets, train=True)``: ``inp`` is the model's input on chunk 0 (the
+    GPT's token ids (B, T)), else the activation (B, T, C); returns the output
+    activation, or the loss on the last chunk, and the list of piece caches; pieces
+    whose ``forward`` takes ``train`` (BatchNorm's: running statistics in evaluation)
+    get it. ``backward(dout, caches, input_grad=True)``: ``dout`` is the output
+    gradient, or the scalar d(objective)/d(loss) on the last chunk; returns the input
+    gradient (None on chunk 0, whose input is data, and with ``input_grad=False``).
+
+    An input gradient nobody reads is not computed where the piece allows it (its
+    ``backward`` takes ``need_dx``, as ``Linear``'s does): the first middle piece's
+    with ``input_grad=False`` (local losses: nothing goes back a stage), or after a
+    first piece without parameters (the CNN's image preparation).
     """
 
     def __init__(self, spec: ChunkSpec, model):
@@ -190,6 +197,10 @@ class ModelChunk:
         self.first = pieces.first if spec.has_embed else None
         self.middle = [pieces.middle[j] for j in spec.blocks]
         self.last = pieces.last if spec.has_head else None
+        self._takes_train = [takes(part, "forward", "train") for part in self.parts]
+        # whether the first middle piece's input gradient feeds a first piece that learns
+        self._dx_feeds_first = self.first is not None and bool(self.first.parameters())
+        self._skip_dx = bool(self.middle) and takes(self.middle[0], "backward", "need_dx")
 
     @property
     def parts(self) -> list:
@@ -204,29 +215,56 @@ class ModelChunk:
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def forward(self, inp: np.ndarray, targets: np.ndarray | None):
+    def forward(self, inp: np.ndarray, targets: np.ndarray | None, train: bool = True):
         caches = []
         x = inp
+        modes = iter(self._takes_train)
         if self.first is not None:
-            x, cache = self.first.forward(inp)  # GPT: (B, T) -> (B, T, C)
+            x, cache = _run(self.first, next(modes), train, inp)  # GPT: (B, T) -> (B, T, C)
             caches.append(cache)
         for piece in self.middle:
-            x, cache = piece.forward(x)  # (B, T, C)
+            x, cache = _run(piece, next(modes), train, x)  # (B, T, C)
             caches.append(cache)
         if self.last is not None:
-            loss, cache = self.last.forward(x, targets)
+            loss, cache = _run(self.last, next(modes), train, x, targets)
             caches.append(cache)
             return loss, caches
         return x, caches
 
-    def backward(self, dout, caches: list) -> np.ndarray | None:
+    def backward(self, dout, caches: list, input_grad: bool = True) -> np.ndarray | None:
         caches = list(caches)
         dx = dout
         if self.last is not None:
             dx = self.last.backward(dout, caches.pop())  # scalar -> (B, T, C)
-        for piece in reversed(self.middle):
-            dx = piece.backward(dx, caches.pop())  # (B, T, C)
+        for j in reversed(range(len(self.middle))):
+            piece = self.middle[j]
+            unread = j == 0 and not (input_grad if self.first is None else self._dx_feeds_first)
+            if unread and self._skip_dx:
+                dx = piece.backward(dx, caches.pop(), need_dx=False)  # None
+            else:
+                dx = piece.backward(dx, caches.pop())  # (B, T, C)
         if self.first is not None:
-            self.first.backward(dx, caches.pop())
+            if self._dx_feeds_first:  # a first piece without parameters has nothing to learn
+                self.first.backward(dx, caches.pop())
             return None
-        return dx
+        return dx if input_grad else None
+
+
+def takes(piece, method: str, arg: str) -> bool:
+    """Whether ``piece``'s class declares keyword ``arg`` in ``method`` (the class's:
+    the wrappers recomputation, precision and ZeRO-3 put on an instance pass keywords
+    through)."""
+    import inspect
+
+    fn = getattr(type(piece), method, None)
+    return fn is not None and arg in inspect.signature(fn).parameters
+
+
+def forward_eval(piece, x: np.ndarray) -> np.ndarray:
+    """A middle (or first) piece's output in evaluation mode (BatchNorm's running
+    statistics, for a piece whose ``forward`` takes ``train``)."""
+    return _run(piece, takes(piece, "forward", "train"), False, x)[0]
+
+
+def _run(piece, takes_train: bool, train: bool, *args):
+    return piece.forward(*args, train=train) if takes_train else piece.forward(*args)

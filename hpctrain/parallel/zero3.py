@@ -211,6 +211,8 @@ def engine_pieces(engine: Any) -> list:
                          f"cannot use it: zero (3) must be 0, 1 or 2 with it")
     if isinstance(engine, PipelineEngine):
         return [part for chunk in engine.stage.parts for part in chunk.parts]
+    if not getattr(engine.model, "runs_its_pieces", True):
+        return [engine.model]  # its forward would pass the pieces' wrappers by
     try:
         pieces = engine.model.pipeline_pieces()
     except NotImplementedError:

@@ -1,7 +1,8 @@
 """Local-loss pipeline training under MPI (``hpctrain.parallel.local_loss``): at pp = 2
 and 4 (dp what remains of the world) it follows a serial run of the same local-loss
 objective (``LocalLossReference`` on one rank) in float64, losses and every
-parameter, auxiliary heads included; a checkpoint resumes it bitwise."""
+parameter, auxiliary heads included, for the MLP, the GPT and the CNN (pieces of
+differing shapes, BatchNorm over each microbatch); a checkpoint resumes it bitwise."""
 
 import shutil
 import tempfile
@@ -29,6 +30,8 @@ MLP = ModelConfig(kind="mlp", dtype="float64", input_dim=12, hidden=(8, 8, 8, 8,
 # loss both reach it, summed between the two stages as under backprop
 GPT = ModelConfig(kind="gpt", dtype="float64", vocab_size=16, seq_len=4, n_layer=4, n_head=2,
                   d_model=8, tie_embeddings=True)
+# 8 x 8 images: four conv pieces (2, 2, 3, 3 channels; sides 8, 4, 4, 2) for pp up to 4
+CNN = ModelConfig(kind="cnn", dtype="float64", input_dim=64, channels=(2, 3), n_classes=5)
 BATCH, STEPS, SAVE_AT = 16, 4, 2
 
 
@@ -47,8 +50,14 @@ def batches(model=MLP):
         shape = (BATCH, model.seq_len)
         return [(r.integers(0, model.vocab_size, shape), r.integers(0, model.vocab_size, shape))
                 for _ in range(STEPS)]
-    return [(r.random((BATCH, MLP.input_dim)), r.integers(0, MLP.n_classes, BATCH))
+    return [(r.random((BATCH, model.input_dim)), r.integers(0, model.n_classes, BATCH))
             for _ in range(STEPS)]
+
+
+def as_dp(x, dp, m):
+    """The batch reordered so that serial microbatch i holds every dp rank's microbatch
+    i (BatchNorm's statistics are those of the microbatch over the data group)."""
+    return x.reshape(dp, m, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
 
 
 class Run:
@@ -90,15 +99,18 @@ class Run:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("pp, model", [(2, MLP), (4, MLP), (2, GPT), (4, GPT)],
-                         ids=["mlp-pp2", "mlp-pp4", "gpt-pp2", "gpt-pp4"])
+@pytest.mark.parametrize("pp, model", [(2, MLP), (4, MLP), (2, GPT), (4, GPT), (2, CNN),
+                                       (4, CNN)],
+                         ids=["mlp-pp2", "mlp-pp4", "gpt-pp2", "gpt-pp4", "cnn-pp2", "cnn-pp4"])
 def test_local_loss_training_is_the_serial_local_loss_objective(comm, pp, model):
     size = comm.Get_size()
     if size % pp:
         pytest.skip(f"pp ({pp}) does not divide {size} ranks")
     data = batches(model)
     serial = Run(config(None, pp, model), MPI.COMM_SELF, reference=True)
-    want = serial.steps(data, STEPS)
+    m = config(None, pp, model).parallel.microbatches
+    want = serial.steps([(as_dp(x, size // pp, m), as_dp(y, size // pp, m)) for x, y in data],
+                        STEPS)
     run = Run(config(size, pp, model), comm)
     assert_all(comm, isinstance(run.engine, LocalLossEngine), "the local-loss engine is built")
     got = run.steps(data, STEPS)
@@ -109,7 +121,7 @@ def test_local_loss_training_is_the_serial_local_loss_objective(comm, pp, model)
     assert_all(comm, sorted(params) == sorted(ref),
                f"{what}: parameter names {sorted(params)} vs {sorted(ref)}")
     heads = [n for n in params if n.startswith("aux_heads.")]
-    per_head = 2 if model.kind == "mlp" else 3  # weight, bias; LayerNorm's two, lm_head
+    per_head = 3 if model.kind == "gpt" else 2  # LayerNorm's two, lm_head; weight, bias
     assert_all(comm, len(heads) == per_head * (pp - 1),
                f"{what}: one head per stage but the last ({heads})")
     for name in sorted(params):

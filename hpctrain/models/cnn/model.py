@@ -32,6 +32,14 @@ no optimizer sees them.
 
 Initialisation: one ``np.random.default_rng(seed)`` consumed in layer order;
 convolutions He normal ``sqrt(2 / (C k^2))``, the head ``sqrt(1 / fan_in)``.
+
+Pipeline pieces (``pp > 1``): the first piece prepares the images (reshape and pad, no
+parameters), every conv3x3-BatchNorm-ReLU is a middle piece (the second of a stage
+with the stage's max pool), the last is the head and the loss; the activations
+between pieces differ in shape (``activation_shape_after``). BatchNorm's statistics
+are those of each microbatch; evaluation runs the pieces with the running ones.
+Auxiliary heads (local losses): the model's head on a middle piece's output (flatten,
+a Linear to the classes, the cross-entropy), drawn from ``aux_rng``.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import numpy as np
 
 from hpctrain.config import ConfigError, ModelConfig
 from hpctrain.data.format import IMAGES
-from hpctrain.models.protocol import Model, Space
+from hpctrain.models.protocol import Model, Pieces, Space, aux_rng
 from hpctrain.nn import (
     ConvBNReLU,
     ConvBNReLUCache,
@@ -53,6 +61,7 @@ from hpctrain.nn import (
     LinearCache,
     MaxPool2d,
     MaxPoolCache,
+    Module,
     cross_entropy,
     cross_entropy_backward,
 )
@@ -90,8 +99,74 @@ def feature_side(m: ModelConfig) -> int:
     return padded_side(m) // 2 ** len(m.channels)
 
 
+def layer_output(m: ModelConfig, i: int) -> tuple[int, int]:
+    """(channels, side) leaving conv layer i (after the stage's pool on its last conv)."""
+    stage, within = divmod(i, CONVS_PER_STAGE)
+    side = padded_side(m) // 2 ** stage
+    return m.channels[stage], side // 2 if within == CONVS_PER_STAGE - 1 else side
+
+
 # one stage along one axis: two 3x3 convolutions (padding 1), a 2x2 max pool
 STAGE_WINDOWS = [(3, 1, 1, (1, 1))] * CONVS_PER_STAGE + [(2, 2, 1, (0, 0))]
+
+
+class CNNInput(Module):
+    """The first pipeline piece: x (B, S*S) -> images (B, 1, S + 2p, S + 2p); nothing
+    to learn, so no gradient reaches it (``ModelChunk`` skips the first conv's dx)."""
+
+    def __init__(self, side: int, pad: int):
+        self.side, self.pad = side, pad
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, None]:
+        h = x.reshape(len(x), 1, self.side, self.side)  # (B, 1, S, S)
+        p = self.pad
+        return (np.pad(h, ((0, 0), (0, 0), (p, p), (p, p))) if p else h), None
+
+    def backward(self, dy: np.ndarray | None, cache: None) -> None:
+        return None
+
+
+class CNNLayer(Module):
+    """One conv3x3-BatchNorm-ReLU as a pipeline piece, with its stage's 2x2 max pool
+    after it on the stage's last conv: (B, C, S, S) -> (B, O, S', S')."""
+
+    def __init__(self, layer: ConvBNReLU, pool: MaxPool2d | None):
+        self.layer, self.pool = layer, pool
+
+    def forward(self, x: np.ndarray, train: bool = True) -> tuple[np.ndarray, tuple]:
+        h, conv = self.layer.forward(x, train)
+        pool = None
+        if self.pool is not None:
+            h, pool = self.pool.forward(h)  # (B, O, S // 2, S // 2)
+        return h, (conv, pool)
+
+    def backward(self, dy: np.ndarray, cache: tuple, need_dx: bool = True) -> np.ndarray | None:
+        conv, pool = cache
+        if self.pool is not None:
+            dy = self.pool.backward(dy, pool)
+        return self.layer.backward(dy, conv, need_dx)  # (B, C, S, S) or None
+
+
+class CNNHead(Module):
+    """Flatten, a Linear to the classes and the cross-entropy: the last pipeline piece
+    and the auxiliary heads. h (B, C, S, S), targets (B,) -> the mean loss."""
+
+    def __init__(self, linear: Linear):
+        self.linear = linear
+
+    def forward(self, h: np.ndarray, targets: np.ndarray) -> tuple[float, tuple]:
+        logits, lin = self.linear.forward(h.reshape(len(h), -1))  # (B, n_classes)
+        loss, ce = cross_entropy(logits, targets)
+        return loss, (lin, ce, h.shape)
+
+    def backward(self, dloss: float, cache: tuple) -> np.ndarray:
+        lin, ce, shape = cache
+        return self.linear.backward(cross_entropy_backward(dloss, ce), lin).reshape(shape)
+
+    def eval_metrics(self, h: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
+        """Accuracy of the classes this head predicts from h (B, C, S, S)."""
+        logits = self.linear.forward(h.reshape(len(h), -1))[0]
+        return {"accuracy": (int((logits.argmax(axis=1) == y).sum()), len(y))}
 
 
 class CNNClassifier(Model):
@@ -99,11 +174,12 @@ class CNNClassifier(Model):
     then a Linear from the flattened features to the classes (module docstring).
 
     Declares (``hpctrain.models.protocol``) its config rules, model FLOPs, accuracy,
-    evaluation with BatchNorm's running statistics and ``share_batch``; no pipeline
-    pieces or tensor plan: data parallelism only.
+    evaluation with BatchNorm's running statistics and ``share_batch``, spatial
+    parallelism, pipeline pieces and auxiliary heads; no tensor plan.
     """
 
     name = "CNN classifier"
+    runs_its_pieces = False  # forward runs its layers (and spatial halos) itself
     data_format = IMAGES
     config_keys = ("input_dim", "channels", "n_classes", "image_pad")
 
@@ -119,6 +195,9 @@ class CNNClassifier(Model):
         self.pool = MaxPool2d(2)
         n_in = cfg.channels[-1] * feature_side(cfg) ** 2
         self.out = Linear(n_in, cfg.n_classes, rng=rng, dtype=dtype, std=math.sqrt(1.0 / n_in))
+        # the pipeline pieces, built once so that wrappers put on them (precision) stay;
+        # in a dict, which the parameter and buffer walks do not enter
+        self._built: dict[str, Pieces] = {}
 
     def share_batch(self, reduce: Callable[[np.ndarray], np.ndarray]) -> None:
         """Compute BatchNorm's statistics over every rank whose batch ``reduce`` sums."""
@@ -189,6 +268,9 @@ class CNNClassifier(Model):
                               f"widths, one per stage")
         if m.image_pad < 0:
             raise ConfigError(f"image_pad ({m.image_pad}) must not be negative")
+        if par.pp > 1 and par.sp > 1:
+            raise ConfigError(f"the CNN runs pipeline (pp {par.pp}) or spatial (sp {par.sp}) "
+                              f"parallelism, not both")
         if feature_side(m) < 1:
             side = padded_side(m)
             raise ConfigError(f"{len(m.channels)} stages (channels {list(m.channels)}) "
@@ -233,3 +315,47 @@ class CNNClassifier(Model):
         spatial parallelism counted on spatial rank 0 (every rank predicts alike)."""
         correct = int((self.predict(x) == y).sum())
         return {"accuracy": (correct, len(y)) if self.space.rank == 0 else (0, 0)}
+
+    @classmethod
+    def piece_costs(cls, m: ModelConfig) -> Pieces[float]:
+        """Multiply-adds per sample: none for the image preparation, ``9 C O S^2`` per
+        convolution, the head's Linear (FLOPs balance the stages, not parameters)."""
+        costs, c_in = [], 1
+        for i in range(CONVS_PER_STAGE * len(m.channels)):
+            c, _ = layer_output(m, i)
+            side = padded_side(m) // 2 ** (i // CONVS_PER_STAGE)
+            costs.append(float(9 * c_in * c * side * side))
+            c_in = c
+        return Pieces(0.0, costs, float(c_in * feature_side(m) ** 2 * m.n_classes))
+
+    def pipeline_pieces(self) -> Pieces[Module]:
+        if "pieces" not in self._built:
+            last = CONVS_PER_STAGE - 1
+            self._built["pieces"] = Pieces(
+                CNNInput(self.side, self.pad),
+                [CNNLayer(layer, self.pool if i % CONVS_PER_STAGE == last else None)
+                 for i, layer in enumerate(self.layers)], CNNHead(self.out))
+        return self._built["pieces"]
+
+    @classmethod
+    def activation_shape_after(cls, m: ModelConfig, x_shape: tuple[int, ...],
+                               j: int) -> tuple[int, ...]:
+        """The activation leaving middle piece (conv layer) j: (B, c, s, s)."""
+        c, side = layer_output(m, j)
+        return (x_shape[0], c, side, side)
+
+    @classmethod
+    def activation_shape(cls, m: ModelConfig, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The first conv layer's output; the others: ``activation_shape_after``."""
+        return cls.activation_shape_after(m, x_shape, 0)
+
+    @classmethod
+    def has_aux_heads(cls, m: ModelConfig) -> bool:
+        return True
+
+    def aux_head(self, k: int, seed: int) -> CNNHead:
+        """A linear classifier on the flattened output of middle piece (conv layer) k."""
+        c, side = layer_output(self.cfg, k)
+        n_in = c * side * side
+        return CNNHead(Linear(n_in, self.cfg.n_classes, rng=aux_rng(seed, k),
+                              dtype=np.dtype(self.cfg.dtype), std=math.sqrt(1.0 / n_in)))

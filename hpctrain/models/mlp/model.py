@@ -52,7 +52,9 @@ class MLPCache(NamedTuple):
 
 class MLPLayer(Module):
     """One hidden layer as a pipeline piece: ``h = gelu(x @ W + b)``, (B, n_in) -> (B, n_out).
-    ``need_dx`` False on the first layer, whose input is data."""
+    ``need_dx`` False on the first layer, whose input is data; ``backward(...,
+    need_dx=False)`` skips the input gradient's GEMM for one call (a local-loss stage's
+    first layer: nothing goes back a stage)."""
 
     def __init__(self, linear: Linear, act: GELU, need_dx: bool = True):
         self.linear, self.act, self.need_dx = linear, act, need_dx
@@ -62,9 +64,11 @@ class MLPLayer(Module):
         h, act = self.act.forward(h)
         return h, (lin, act)
 
-    def backward(self, dy: np.ndarray, cache: tuple[LinearCache, GELUCache]) -> np.ndarray | None:
+    def backward(self, dy: np.ndarray, cache: tuple[LinearCache, GELUCache],
+                 need_dx: bool = True) -> np.ndarray | None:
         lin, act = cache
-        return self.linear.backward(self.act.backward(dy, act), lin, need_dx=self.need_dx)
+        return self.linear.backward(self.act.backward(dy, act), lin,
+                                    need_dx=self.need_dx and need_dx)
 
 
 class MLPHead(Module):
@@ -97,6 +101,7 @@ class MLPClassifier(Model):
     """
 
     name = "MLP classifier"
+    runs_its_pieces = False  # forward runs its layers; the pieces serve a pipeline
     data_format = IMAGES
     config_keys = ("input_dim", "hidden", "n_classes")
 
@@ -185,9 +190,15 @@ class MLPClassifier(Model):
                       float(m.hidden[-1] * m.n_classes))
 
     def pipeline_pieces(self) -> Pieces[Module]:
-        first, *rest = self.hidden
-        return Pieces(MLPLayer(first, self.act, need_dx=False),
-                      [MLPLayer(layer, self.act) for layer in rest], MLPHead(self.out))
+        # built once, kept in a dict (not walked for parameters): wrappers put on the
+        # pieces (recompute, precision) stay on the pieces the pipeline runs
+        built = self.__dict__.setdefault("_built", {})
+        if "pieces" not in built:
+            first, *rest = self.hidden
+            built["pieces"] = Pieces(MLPLayer(first, self.act, need_dx=False),
+                                     [MLPLayer(layer, self.act) for layer in rest],
+                                     MLPHead(self.out))
+        return built["pieces"]
 
     @classmethod
     def activation_shape(cls, m: ModelConfig, x_shape: tuple[int, ...]) -> tuple[int, ...]:
