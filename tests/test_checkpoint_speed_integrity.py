@@ -279,3 +279,31 @@ def test_the_finite_check_runs_in_the_write_and_leaves_nothing(tmp_path):
     assert "file" in events  # checked beside the write, not before it
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
     assert (root / fmt.LATEST_NAME).read_text().strip() == "step-000001"
+
+
+def test_blocksum64_packed_is_blocksum64_of_each_piece():
+    from hpctrain.checkpoint.direct import aligned_empty
+
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        sizes = [8 * int(n) for n in rng.integers(0, 1200, rng.integers(1, 9))]
+        sizes += [0, 4096, 8 * 513] if trial % 2 else []
+        buf = aligned_empty(sum(sizes) + 8)
+        buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+        want, at = [], 0
+        for n in sizes:
+            want.append(fmt.blocksum64(buf[at:at + n]))
+            at += n
+        assert fmt.blocksum64_packed(buf, sizes) == want, sizes
+    assert fmt.blocksum64_packed(buf, [4, 12]) is None  # not on 64-bit words: per piece
+
+
+def test_the_shares_of_the_checks_cover_every_run_once():
+    from hpctrain.checkpoint.reader import checked_share
+
+    runs = [[(None, 0, None, None, np.empty(n, np.uint8))] for n in (5, 1, 9, 3, 3, 7)]
+    for n in (1, 2, 3, 4):
+        shares = [checked_share(runs, k, n) for k in range(n)]
+        assert [sum(col) for col in zip(*shares, strict=True)] == [1] * len(runs)
+    with pytest.raises(ValueError, match="share"):
+        checked_share(runs, 2, 2)

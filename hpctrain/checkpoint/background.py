@@ -47,19 +47,8 @@ import numpy as np
 from hpctrain.checkpoint import direct, writer
 from hpctrain.checkpoint.format import step_dirname
 from hpctrain.checkpoint.state import Held
-
-POLL_S = 0.0005  # how often a waiting writer thread looks whether the others arrived
-
-
-def arrive(comm) -> None:
-    """Return once every rank of ``comm`` has called it, sleeping meanwhile: a
-    non-blocking barrier tested every ``POLL_S``. MPICH's blocking waits poll a core;
-    a writer thread that waits there for a slower rank (for rank 0's commit: its
-    index, fsyncs and renames, about 10 ms) takes that core from the training step
-    beside it. After ``arrive`` the collective itself finds every rank there."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(POLL_S)
+from hpctrain.checkpoint.writer import POLL_S as POLL_S  # re-exported
+from hpctrain.checkpoint.writer import arrive
 
 
 class BackgroundWriter:

@@ -78,8 +78,9 @@ SHARED_NAME = "data.h5"
 SELF = "."  # the file of a piece is the index file itself (consolidated)
 META_KEYS = ("config", "layout", "loader", "schedule", "rng", "optimizer")
 # written when present, absent from older checkpoints: an averaging strategy's position
-# in its period (hpctrain.parallel.averaging), the batch shares (parallel.shares)
-OPTIONAL_META_KEYS = ("averaging", "shares")
+# in its period (hpctrain.parallel.averaging), the batch shares (parallel.shares), the
+# precision the run stored in (hpctrain.precision: name, storage, fp16's loss scale)
+OPTIONAL_META_KEYS = ("averaging", "shares", "precision")
 REMEDY = "load an earlier checkpoint (see `hpctrain ckpt inspect`), or re-run the training"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -106,6 +107,40 @@ def blocksum64(a: np.ndarray) -> str:
     total = (int(sums.sum(dtype=np.uint64)) + last) & _MASK
     weighted = (int(np.dot(sums, _weights(n_blocks))) + (n_blocks + 1) * last) & _MASK
     return f"{total:016x}{weighted:016x}"
+
+
+def blocksum64_packed(data: np.ndarray, nbytes: list[int]) -> list[str] | None:
+    """The ``blocksum64`` of each of several pieces lying back to back from the start
+    of the C-contiguous ``data`` (``nbytes[k]``: the k-th piece's length), in a few
+    NumPy calls whatever their number (``blocksum64`` per piece costs 15 us of Python
+    each, 3.5 ms for the benchmark GPT's 231, held under the GIL beside training).
+    A piece's last, partial block is an ordinary block whose missing words are zero,
+    so every block of every piece is one ``reduceat`` segment of the 64-bit words.
+    None when a piece does not start and end on a 64-bit word (the caller then takes
+    ``blocksum64`` of each)."""
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    raw = data.reshape(-1).view(np.uint8)
+    if (data.ctypes.data % 8 or np.any(sizes % 8) or sizes.sum() > raw.size
+            or not data.flags.c_contiguous):
+        return None
+    n_words = sizes // 8
+    starts = np.concatenate(([0], np.cumsum(n_words)[:-1]))
+    blocks = -(-n_words // _BLOCK_WORDS)  # per piece, the last one partial
+    out = [f"{0:016x}{0:016x}"] * len(sizes)
+    full = np.flatnonzero(blocks)  # empty pieces keep the sums of nothing
+    if not full.size:
+        return out
+    blocks, starts = blocks[full], starts[full]
+    first = np.concatenate(([0], np.cumsum(blocks)[:-1]))  # each piece's first block
+    within = np.arange(int(blocks.sum())) - np.repeat(first, blocks)  # b per block
+    bounds = np.repeat(starts, blocks) + within * _BLOCK_WORDS
+    words = raw[:int(sizes.sum())].view("<u8")
+    sums = np.add.reduceat(words, bounds)  # S_b (the pieces are back to back)
+    total = np.add.reduceat(sums, first)
+    weighted = np.add.reduceat(sums * (within + 1).astype(np.uint64), first)  # mod 2^64
+    for k, a, b in zip(full.tolist(), total.tolist(), weighted.tolist(), strict=True):
+        out[k] = f"{a:016x}{b:016x}"
+    return out
 
 
 _WEIGHTS = np.arange(1, 1 << 16, dtype=np.uint64)

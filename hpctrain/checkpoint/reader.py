@@ -22,6 +22,13 @@ by file and offset, and every run of them that follows one another in a file is 
 by one ``preadv`` (about 8 MB at a time), its checksums taken by a second thread
 while the next run is read; the rest go through ``read_into``. On the benchmark GPT
 (231 pieces) this replaced 231 reads and checks in turn, about 10 ms of Python.
+Replicas share the checking: the ranks of one node that hold the same arrays (data
+parallel, ``training.check_share``) read the same runs from the same page cache, so
+each checks about 1/n of them (``checked_share``) and a bad piece found by any fails
+the load on every rank (``writer.all_ranks``); at dp = 2 that halves a load's checksum
+work. Every byte a rank loads was checked by a rank of its node after the same read
+of the same file; what no checksum sees, as before, is a rank's own copy out of the
+page cache.
 
 Every failure is a ``CheckpointError`` naming the file and the tensor: a missing
 file or piece, a checksum mismatch, a shape or dtype that differs from the model's.
@@ -294,11 +301,19 @@ class Checkpoint:
                 held = region(array, segs[s])  # a view of the segment's box
                 held[slices(common, segs[s].box)] = data[slices(common, piece.box)]
 
-    def read_held(self, held: list[Held], hint: str = "") -> None:
+    def read_held(self, held: list[Held], hint: str = "", share: tuple[int, int] = (0, 1)
+                  ) -> None:
         """Fill every held array with its part of its tensor (see the module docstring):
         the pieces that land whole in a contiguous region are read in runs, one
         ``preadv`` per run of pieces that follow one another in a file, and checked
-        by a second thread while the next run is read; the others by ``read_into``."""
+        by a second thread while the next run is read; the others by ``read_into``.
+
+        ``share = (k, n)``: this rank is the k-th of n ranks of one node that hold
+        the same arrays (data-parallel replicas) and read the same runs from the same
+        page cache; it checks only its share of the runs (about 1/n of the bytes,
+        the same split on each), and the caller makes every rank fail if any of
+        them found a bad piece (``writer.all_ranks``). Each run is still read and
+        checked; at dp = 2 this halves the checksum work of a load."""
         direct = []  # (file, offset, entry, piece, target)
         for h in held:
             entry = self.check_fits(h.name, h.sharding, h.array.dtype, hint)
@@ -309,16 +324,20 @@ class Checkpoint:
                 direct += reads
         direct.sort(key=lambda r: (r[0], r[1]))
         runs: list[list] = []
+        run_bytes = 0
         for r in direct:
             last = runs[-1][-1] if runs else None
             if (last is not None and last[0] == r[0] and last[1] + last[4].nbytes == r[1]
-                    and sum(x[4].nbytes for x in runs[-1]) < RUN_BYTES):
+                    and run_bytes < RUN_BYTES):
                 runs[-1].append(r)
+                run_bytes += r[4].nbytes
             else:
                 runs.append([r])
+                run_bytes = r[4].nbytes
+        mine = checked_share(runs, *share)
         with ThreadPoolExecutor(1) as pool:
             checked = []
-            for run in runs:
+            for run, check in zip(runs, mine, strict=True):
                 file, offset, entry, piece, _ = run[0]
                 where = (f"{self.index.file_path(file)}: tensor {entry.name}, piece "
                          f"{box_name(piece.box)}")
@@ -327,7 +346,8 @@ class Checkpoint:
                 except OSError as err:
                     raise CheckpointError(f"{where}: cannot be read ({err}); "
                                           f"{REMEDY}") from None
-                checked.append(pool.submit(self._check_run, run))
+                if check:
+                    checked.append(pool.submit(self._check_run, run))
             for c in checked:
                 c.result()
 
@@ -360,6 +380,21 @@ class Checkpoint:
         out = np.empty(entry.global_shape, np.dtype(entry.dtype))
         self.read_into(name, out, Sharding(entry.global_shape))
         return out
+
+
+def checked_share(runs: list[list], k: int, n: int) -> list[bool]:
+    """Which of ``runs`` the k-th of n ranks reading the same runs checks: each run
+    goes to the rank with the fewest bytes so far (ties to the lowest), so the n
+    shares cover every run once and weigh about the same."""
+    if not 0 <= k < n:
+        raise ValueError(f"share ({k}, {n}): k must be in [0, n)")
+    load = [0] * n
+    mine = []
+    for run in runs:
+        who = min(range(n), key=lambda r: (load[r], r))
+        load[who] += sum(r[4].nbytes for r in run)
+        mine.append(who == k)
+    return mine
 
 
 def verify(path: str | Path) -> tuple[Checkpoint, list[str]]:

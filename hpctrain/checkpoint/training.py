@@ -12,10 +12,15 @@ every piece it writes in the same pass as its checksum, while the fsync runs (ea
 value once, by the rank that writes it; a background save checks its snapshot in its
 thread), and ``NonFiniteState`` is raised on every rank, the unfinished folder
 removed (by the next ``save`` or ``wait`` of a background save).
+
+A load checks every piece it reads; the data-parallel replicas of one node, which read
+the same pieces, share that work (``check_share``, ``reader.Checkpoint.read_held``),
+and a failure on one fails every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,8 +108,24 @@ def config_hint(saved: dict, cfg: Any) -> str:
     return f"; the model config differs: {', '.join(diff)}" if diff else ""
 
 
+def check_share(topo: Any, held: list) -> tuple[int, int]:
+    """``(k, n)``: this rank is the k-th of the n ranks of its node that hold the same
+    arrays (names, dtypes, shardings), which read the same pieces from one page cache
+    and share their checking (``Checkpoint.read_held``). Collective over the node's
+    ranks (``topo.node_comm``; none: (0, 1))."""
+    node_comm = getattr(topo, "node_comm", None)
+    if node_comm is None or node_comm.Get_size() == 1:
+        return 0, 1
+    key = hashlib.sha256(repr([(h.name, h.array.dtype.str, h.sharding)
+                               for h in held]).encode()).hexdigest()
+    keys = node_comm.allgather(key)
+    same = [r for r, other in enumerate(keys) if other == key]
+    return same.index(node_comm.Get_rank()), len(same)
+
+
 def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
-                generators: dict) -> tuple[int, dict, dict, list[str]]:
+                generators: dict, share: tuple[int, int] = (0, 1)
+                ) -> tuple[int, dict, dict, list[str]]:
     with Checkpoint(path) as ckpt:
         meta = ckpt.meta
         saved = (meta.get("optimizer") or {}).get("kind")
@@ -119,7 +140,7 @@ def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
                                   f"{meta['averaging']['strategy']!r}, whose ranks hold "
                                   f"their own state: resume it with the same averaging "
                                   f"and dp")
-        ckpt.read_held(held, hint)
+        ckpt.read_held(held, hint, share)
         set_optimizer_step(dp, meta["optimizer"]["t"])
         if hasattr(dp, "after_load"):  # state of its own, beyond the tensors
             dp.after_load()
@@ -144,8 +165,9 @@ def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *
     writer.all_ranks(comm, lambda: writer.remove_stale(root, say) if comm.Get_rank() == 0
                      else None, f"removing unfinished saves in {root}")
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
+    share = check_share(topo, held)  # a bad piece found by one fails all (all_ranks)
     step, meta, sched, stored = writer.all_ranks(
-        comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}),
+        comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}, share),
         f"loading {path}")
     names = {h.name for h in held}
     if comm.Get_size() > 1:

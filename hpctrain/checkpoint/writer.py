@@ -28,6 +28,11 @@ alike (``background.BackgroundWriter`` runs the plan on the training thread and
    second a ``NonFiniteState`` on every rank, after rank 0 removed ``step-N.tmp/``.
    Only the pieces a rank writes are checked, so each value of the checkpoint is
    checked once, by its writer, off the critical path (a replica is never written).
+   Pieces that lie back to back in one buffer (the background writer's snapshot)
+   are checked per dtype in a few NumPy calls (``checks``), not 231 pairs of calls.
+   A rank that waits for the others before a collective sleeps in a polled
+   non-blocking barrier (``arrive``), so that it leaves its core to the ranks still
+   writing and checking when ranks share cores (dp = 2 on this 2-core machine).
    Profiled on the benchmark GPT (131 MB, 231 pieces): version 1 spent 0.08 s in
    sha256, 0.05 s in three attributes per dataset, 0.03 s making a group per tensor
    through h5py and 0.07 s in HDF5's writes, against 0.08 s for the raw write;
@@ -49,6 +54,7 @@ import functools
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,6 +74,7 @@ from hpctrain.checkpoint.format import (
     Piece,
     TensorEntry,
     blocksum64,
+    blocksum64_packed,
     data_filename,
     flat_name,
     step_dirname,
@@ -124,6 +131,22 @@ def shared_file(io: str, size: int) -> bool:
     return io == "auto" and size > 1 and parallel_hdf5()
 
 
+POLL_S = 0.0005  # how often a rank waiting in ``arrive`` looks whether the others came
+
+
+def arrive(comm) -> None:
+    """Return once every rank of ``comm`` has called it, sleeping meanwhile: a
+    non-blocking barrier tested every ``POLL_S``. MPICH's blocking waits poll a core;
+    a rank that waits there for a slower one (for rank 0's commit: its index, fsyncs
+    and renames, about 10 ms; for the other ranks' writes and checksums) takes that
+    core from the work it waits for when ranks share cores, or from the training
+    step beside a background writer thread. After ``arrive`` the collective itself
+    finds every rank there. Costs at most ``POLL_S`` of latency per wait."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(POLL_S)
+
+
 def all_ranks(comm, fn, what: str, catch: tuple = (OSError, DataError), arrive=None):
     """Run ``fn`` on every rank; if it fails with an I/O or checkpoint error (any of
     ``catch``) on any rank, raise CheckpointError on every rank, naming the ranks
@@ -154,7 +177,13 @@ def all_finite(a: np.ndarray) -> bool:
     if a.dtype.kind not in "fc" or not a.size:
         return True
     with np.errstate(over="ignore", invalid="ignore"):
+        if a.dtype in _BLAS and a.flags.c_contiguous:  # the sum of squares: 28 GB/s
+            flat = a.reshape(-1)  # against 16 for a.sum(); nan and inf survive it too
+            return bool(np.isfinite(np.dot(flat, flat))) or bool(np.isfinite(a).all())
         return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
+
+
+_BLAS = (np.dtype(np.float32), np.dtype(np.float64))  # np.dot of these is one BLAS pass
 
 
 def non_finite_error(step: int, everyone: list[list[str]]) -> NonFiniteState | None:
@@ -286,9 +315,32 @@ def write_flat(path: Path, fd: int, arrays: list[np.ndarray], offset: int) -> No
 
 
 def checks(datas: list[np.ndarray], finite: bool) -> tuple[list[str], list[int]]:
-    """Each array's blocksum64, and (``finite``) the positions of the non-finite ones."""
-    return ([blocksum64(d) for d in datas],
-            [k for k, d in enumerate(datas) if finite and not all_finite(d)])
+    """Each array's blocksum64, and (``finite``) the positions of the non-finite ones.
+    The arrays of a dtype that lie back to back in one buffer (the background
+    writer's snapshot, ``direct._span``) are checked whole, in a few NumPy calls
+    (``format.blocksum64_packed``, one finite test of the buffer, per piece only if
+    it fails); the others one at a time."""
+    sums: list[str | None] = [None] * len(datas)
+    bad = []
+    groups: dict[str, list[int]] = {}
+    for k, d in enumerate(datas):
+        groups.setdefault(d.dtype.str, []).append(k)
+    for ks in groups.values():
+        ks = [k for k in ks if datas[k].nbytes]
+        span = direct._span([datas[k] for k in ks])
+        packed = None if span is None else blocksum64_packed(span, [datas[k].nbytes
+                                                                    for k in ks])
+        if packed is not None:
+            for k, digest in zip(ks, packed, strict=True):
+                sums[k] = digest
+            if finite and not all_finite(span.view(datas[ks[0]].dtype)):
+                bad += [k for k in ks if not all_finite(datas[k])]
+    for k, d in enumerate(datas):
+        if sums[k] is None:
+            sums[k] = blocksum64(d)
+            if finite and not all_finite(d):
+                bad.append(k)
+    return sums, sorted(bad)
 
 
 def _write_rank_file(path: Path, arrays: dict[str, np.ndarray], todo: tuple, step: int,
@@ -561,7 +613,8 @@ def save(root: str | Path, step: int, held: list[Held], meta: dict, comm, *, sta
     if keep < 1:
         raise ValueError(f"keep ({keep}) must be at least 1")
     return write_planned(root, step, held, plan(held, comm, stage), meta, comm, keep=keep,
-                         on_event=on_event, say=say, finite=finite, io=io)
+                         on_event=on_event, say=say, finite=finite, io=io,
+                         arrive=lambda: arrive(comm))  # waits free the core (dp = 2 here)
 
 
 def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, meta: dict,
@@ -574,7 +627,7 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
     rank; ``finite``: refuse a non-finite state (``NonFiniteState`` on every rank,
     ``step-N.tmp`` removed); ``capture``: called first (its errors reported with
     phase 2's) to give the arrays to write instead of ``held``; ``arrive``: called
-    before each collective (``background.arrive``: wait without spinning a core);
+    before each collective (``arrive``: wait without spinning a core);
     ``io``: ``shared_file``'s choice. Collective over ``comm``."""
     root, rank, size = Path(root), comm.Get_rank(), comm.Get_size()
     shared = shared_file(io, size)  # the same on every rank: raises on every rank

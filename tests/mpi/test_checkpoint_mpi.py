@@ -233,3 +233,53 @@ def test_reshard_to_serial_on_comm_self(source, batches):
     path, want = source
     got = continued(path, (1, 1, 1), 0, MPI.COMM_SELF, batches)
     assert_close_all(WORLD, got, want, rtol=RTOL, what="serial losses on every rank")
+
+
+def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, shared_dir,
+                                                                       monkeypatch):
+    """At dp = N the ranks of a node read the same pieces and each checks its share of
+    the runs (``reader.checked_share``); a byte flipped in the run the first rank
+    checks, then in the run the second checks, fails the load on every rank."""
+    import h5py
+
+    from hpctrain.checkpoint import CheckpointError, reader
+    from hpctrain.checkpoint import format as fmt
+    from hpctrain.checkpoint.training import check_share
+
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)  # a run per piece: the checks spread
+    run = Run(config((SIZE, 1, 1), 0), WORLD)
+    run.steps(batches, SAVE_AT)
+    path = run.save(shared_dir / "shared-checks")
+    held = held_tensors(run.engine, run.dp, 0, 1)
+    assert_all(WORLD, check_share(run.topo, held) == (WORLD.Get_rank(), SIZE),
+               "every replica of the one node takes a share")
+    index = fmt.read_index(path / fmt.INDEX_NAME)
+    first = sorted(((p.at, e) for e in index.tensors.values() for p in e.pieces
+                    if p.file == fmt.data_filename(0)), key=lambda x: x[0])[:2]
+    for at, entry in first:  # the first run goes to rank 0, the second to rank 1
+        file = path / fmt.data_filename(0)
+        with h5py.File(file) as f:
+            offset = f[fmt.flat_name(entry.dtype)].id.get_offset()
+        offset += at * np.dtype(entry.dtype).itemsize
+        if WORLD.Get_rank() == 0:
+            with open(file, "r+b") as fh:
+                fh.seek(offset)
+                byte = fh.read(1)
+                fh.seek(offset)
+                fh.write(bytes([byte[0] ^ 0x10]))
+        WORLD.Barrier()
+        try:
+            run.load(path)
+            message = ""
+        except CheckpointError as err:
+            message = str(err)
+        assert_all(WORLD, "checksum mismatch" in message and entry.name in message,
+                   f"a byte flipped in {entry.name} fails the load on every rank: {message!r}")
+        WORLD.Barrier()
+        if WORLD.Get_rank() == 0:
+            with open(file, "r+b") as fh:
+                fh.seek(offset)
+                fh.write(byte)
+        WORLD.Barrier()
+    run.load(path)  # intact again
+    run.free()
