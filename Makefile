@@ -17,7 +17,7 @@ TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 .DEFAULT_GOAL := help
 .PHONY: help install system-deps data demo bench bench-cluster bench-averaging plot test test-serial test-mpi \
         test-cluster test-cluster-if-root test-slurm cluster-down lint clean \
-        install-system-mpi test-system-mpi bench-mpio
+        install-system-mpi test-system-mpi bench-mpio bench-largest
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'

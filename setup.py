@@ -19,6 +19,8 @@ setup(
         # Sets the BLAS thread count of an already-loaded NumPy; environment
         # variables only work before the first import, which a library cannot control.
         "threadpoolctl>=3.1",
+        # NumPy's bfloat16 dtype ([train] precision = "bf16", [parallel] grad_comm_dtype)
+        "ml_dtypes>=0.4",
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "ruff>=0.5"],

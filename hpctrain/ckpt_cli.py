@@ -76,6 +76,8 @@ def inspect(checkpoint: str, tensors: bool, as_json: bool) -> None:
                                              if k in layout))
         click.echo(f"  optimizer {json.dumps(idx.meta.get('optimizer'))}")
         click.echo(f"  schedule {json.dumps(idx.meta.get('schedule'))}")
+        if idx.meta.get("precision") is not None:  # the stored tensors' dtypes are below
+            click.echo(f"  precision {json.dumps(idx.meta['precision'])}")
         loader = idx.meta.get("loader") or {}
         click.echo(f"  loader step {loader.get('step')}")
         if tensors:

@@ -28,6 +28,8 @@ BALANCE = ("layers", "params")
 DP_REDUCE = ("flat", "hierarchical")
 AVERAGING = ("sync", "periodic", "post_local", "diloco", "hierarchical")
 SHARES = ("equal", "fixed", "measured")
+PRECISIONS = ("fp32", "bf16", "fp16")  # [train] precision (hpctrain.precision)
+GRAD_COMM_DTYPES = ("fp32", "bf16")  # [parallel] grad_comm_dtype (parallel/bf16_reduce.py)
 
 
 class ConfigError(ValueError):
@@ -142,6 +144,9 @@ class ParallelConfig:
     # reduce in each node, all-reduce (reduce-scatter) among one leader per node,
     # broadcast (scatter) in the node
     dp_reduce: str = "flat"
+    # the data-parallel gradient sum on the wire: "fp32" (the gradients' dtype) or "bf16"
+    # (rounded to bfloat16, summed in float32: half the bytes; parallel/bf16_reduce.py)
+    grad_comm_dtype: str = "fp32"
     # how the data-parallel replicas meet (hpctrain.parallel.averaging): "sync" (all-reduce
     # every gradient every step), "periodic" (average the parameters every
     # average_every steps), "post_local" (sync for sync_steps, then periodic), "diloco"
@@ -221,6 +226,11 @@ class TrainConfig:
     # memory report (hpctrain.memreport): trace allocations, record each rank's peak by
     # term next to the planner's prediction (tracing slows a step: opt-in)
     memory_report: bool = False
+    # where parameters and activations rest (hpctrain.precision): "fp32" (the model's
+    # dtype), "bf16" or "fp16" (float32 arithmetic and master weights); loss_scale: fp16's
+    # (0: dynamic, from 2^16, halved on overflow, doubled after 1000 finite steps)
+    precision: str = "fp32"
+    loss_scale: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -250,7 +260,8 @@ class Config:
 
             check_sharding(self.model, par)
         _check_train(self.train, par)
-        _check_recompute(self.model, self.train)
+        _check_recompute(self.model, par, self.train)
+        _check_precision(self.model, par, self.train)
         return replace(self, parallel=par)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -475,7 +486,15 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
              f"stall_timeout ({t.stall_timeout}) must be 0 (off) or at least 1 second")
 
 
-def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
+def _pieces_run(cls, par: ParallelConfig, what: str, value: str, off: str) -> None:
+    """A model whose forward does not run its pipeline pieces (``runs_its_pieces``)
+    takes wrappers on the pieces only in a pipeline, where the stages run them."""
+    _require(cls.runs_its_pieces or par.pp > 1,
+             f"{what} ({value!r}) wraps pipeline pieces, and the {cls.name} runs its "
+             f"pieces only in a pipeline: it needs pp > 1, or {what} {off} (pp is {par.pp})")
+
+
+def _check_recompute(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:
     """recompute's mode, and that every piece recompute_pieces names exists."""
     from hpctrain.models.registry import model_class
     from hpctrain.parallel import recompute
@@ -489,10 +508,58 @@ def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
     costs = cls.piece_costs(m)
     _require(costs is not None, f"recompute ({t.recompute!r}) works on pipeline pieces, "
                                 f"and the {cls.name} declares none: it must be \"none\"")
+    _pieces_run(cls, par, "recompute", t.recompute, '"none"')
     try:
         recompute.select(t.recompute_pieces, len(costs.middle), cls.name)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_precision(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:
+    """precision and grad_comm_dtype: known names, ml_dtypes for bfloat16, and the
+    layouts they run at (hpctrain.precision, parallel/bf16_reduce.py)."""
+    from hpctrain.models.registry import model_class
+
+    _require_choice("precision", t.precision, PRECISIONS)
+    _require_choice("grad_comm_dtype", par.grad_comm_dtype, GRAD_COMM_DTYPES)
+    _require(t.loss_scale >= 0, f"loss_scale ({t.loss_scale}) must not be negative "
+                                f"(0: dynamic)")
+    _require(t.loss_scale == 0 or t.precision == "fp16",
+             f"loss_scale ({t.loss_scale}) scales fp16 gradients: it needs precision "
+             f"\"fp16\" (precision is {t.precision!r})")
+    if "bf16" in (t.precision, par.grad_comm_dtype):
+        from hpctrain.precision import ML_DTYPES_REMEDY, ml_dtypes_missing
+
+        missing = ml_dtypes_missing()
+        what = "precision" if t.precision == "bf16" else "grad_comm_dtype"
+        _require(missing is None, f"{what} (\"bf16\") needs NumPy's bfloat16 dtype, but "
+                                  f"{missing}: {ML_DTYPES_REMEDY}")
+    if par.grad_comm_dtype != "fp32":
+        _require(not m.tables, "grad_comm_dtype (\"bf16\") sums dense gradients; the "
+                               "embedding tables' sparse ones are exchanged apart: it "
+                               "must be \"fp32\" with [model] tables")
+        _require(par.zero == 0 and par.dp_reduce == "flat" and par.averaging == "sync",
+                 f"grad_comm_dtype (\"bf16\") replaces the flat all-reduce of zero 0: it "
+                 f"needs zero 0, dp_reduce 'flat' and averaging 'sync' (zero is {par.zero}, "
+                 f"dp_reduce {par.dp_reduce!r}, averaging {par.averaging!r})")
+    if t.precision == "fp32":
+        return
+    _require(m.dtype == "float32", f"precision ({t.precision!r}) stores in 16 bits and "
+                                   f"computes in float32: [model] dtype ({m.dtype!r}) "
+                                   f"must be 'float32'")
+    cls = model_class(m.kind)
+    _require(cls.piece_costs(m) is not None,
+             f"precision ({t.precision!r}) works on pipeline pieces, and the {cls.name} "
+             f"declares none: it must be \"fp32\"")
+    _pieces_run(cls, par, "precision", t.precision, '"fp32"')
+    _require(par.zero != 3 and par.sp == 1,
+             f"precision ({t.precision!r}) rounds each piece's parameters around its "
+             f"forward and backward: zero 3 and spatial parallelism are not supported "
+             f"(zero is {par.zero}, sp {par.sp})")
+    if t.precision == "fp16":
+        _require(par.zero == 0 and par.averaging == "sync",
+                 f"fp16 loss scaling divides whole gradients after their sum: it needs zero "
+                 f"0 and averaging 'sync' (zero is {par.zero}, averaging {par.averaging!r})")
 
 
 # ---------------------------------------------------------------------------------

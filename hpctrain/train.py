@@ -38,6 +38,7 @@ from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.shares import ShareBalancer
 from hpctrain.parallel.sparse_data import has_tables, make_sparse_data_parallel
 from hpctrain.parallel.topology import Topology
+from hpctrain.precision import Precision
 from hpctrain.runtime import (
     blas_spin_warning,
     keep_freed_memory,
@@ -97,6 +98,10 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
             from hpctrain.parallel.hierarchy import hierarchical_launcher
 
             launch = hierarchical_launcher(topo)
+        elif par.grad_comm_dtype == "bf16":
+            from hpctrain.parallel.bf16_reduce import Bf16Reduce
+
+            launch = Bf16Reduce(topo.dp_comm)
         return DataParallel(engine, make_optimizer(cfg, engine.named_params), topo.dp_comm,
                             bucket_mb=par.bucket_mb, launch=launch)
     from hpctrain.parallel.hierarchy import hierarchical_reduce_scatter
@@ -118,7 +123,7 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
 
 def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
                step: int = 0, before_update: Callable[[], None] | None = None,
-               share: float | None = None) -> tuple[float, float]:
+               share: float | None = None, scaler=None) -> tuple[float, float]:
     """One optimizer step on this rank's batch; returns (mean loss over dp, grad norm).
 
     ``dp`` is ``make_data_parallel``'s. Collective over the data group, and over the
@@ -129,7 +134,9 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
     state (ZeRO's too): forward and backward only read them, so a background
     checkpoint copies them meanwhile (``BackgroundWriter.captured``). ``share``: this
     rank's fraction of the global batch when the ranks hold unequal parts
-    (``hpctrain.parallel.shares``; None: equal parts).
+    (``hpctrain.parallel.shares``; None: equal parts). ``scaler``: fp16's loss scaling
+    (``precision.LossScaler``): backward from the scaled loss, the gradients divided
+    after their sum; an overflow is a non-finite norm, which the guard skips.
     """
     if hasattr(dp, "local_round"):  # throughput-weighted local SGD: a round of steps
         return dp.local_round(engine, x, y, lr=lr, grad_clip=grad_clip, guard=guard,
@@ -139,11 +146,15 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
     # the gradient of loss / dp (b_r / B with unequal shares): summed over the data group
     # it is the global mean's; a local averaging step takes this rank's own mean
     scale = share if share is not None else getattr(dp, "grad_scale", 1.0 / dp.dp_size)
+    if scaler is not None:
+        scale *= scaler.scale
     loss = engine.forward_backward(x, y, scale=scale)
     with trace.span("dp_wait", "dp_comm"):
         dp.finish_grads()
     with trace.span("optimizer", "optimizer"):
         norm = dp.grad_norm()
+        if scaler is not None:
+            norm = scaler.unscale(engine.params, norm)
         if guard is None or guard.check(step, loss, norm):
             if before_update is not None:
                 before_update()
@@ -368,6 +379,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
                  after_step)
     if resumed is not None and loop.shares is not None:
         loop.shares.load_state(resumed.meta.get("shares"))
+    if resumed is not None:
+        loop.precision.load_state(resumed.meta.get("precision"))
     if val is not None and (resumed is None or first > t.steps):
         # before the first step; or a checkpoint with no step left to train: evaluate it
         loop.evaluate(first - 1, val, {"step": first - 1}, alone=True)
@@ -430,6 +443,7 @@ class _Loop:
         self.val_losses: list[float] = []
         self.accuracy: float | None = None
         self.guard = NonFiniteGuard(comm, t.max_skipped_steps)
+        self.precision = Precision.from_config(cfg)  # the engine's pieces store in it
         self.retention = Retention(checkpoint_root(t.run_dir), t.keep_checkpoints,
                                    writes=comm.Get_rank() == 0)
         self.background = (BackgroundWriter(topo.ckpt_comm, overlap=True) if t.async_save
@@ -460,7 +474,8 @@ class _Loop:
                         self.engine, self.dp, x, y, lr=lr, grad_clip=t.grad_clip,
                         guard=self.guard, step=step,
                         before_update=None if background is None else background.captured,
-                        share=None if self.shares is None else self.shares.share)
+                        share=None if self.shares is None else self.shares.share,
+                        scaler=self.precision.scaler)
                 except DivergenceError as err:  # every rank: keep the healthy checkpoint
                     self.wait_for_save()
                     where = _healthy(self.retention.diverged())
@@ -478,7 +493,8 @@ class _Loop:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
                   "time_s": breakdown_over(self.comm, totals), **shares,
-                  **self.engine.metrics(), **self.dp.metrics(), **self.guard.metrics()}
+                  **self.engine.metrics(), **self.dp.metrics(), **self.guard.metrics(),
+                  **self.precision.metrics()}
         if self.after_step is not None:
             record |= self.after_step()
         return record
@@ -512,7 +528,9 @@ class _Loop:
 
     def save(self, step: int, loss: float, say=None) -> Path | None:
         """A checkpoint after ``step`` (collective), pending until confirmed."""
-        extra = None if self.shares is None else {"shares": self.shares.state()}
+        extra = {"precision": self.precision.state()}  # the name, the storage, fp16's scale
+        if self.shares is not None:
+            extra["shares"] = self.shares.state()
         saved = _save(self.cfg, self.topo, self.engine, self.dp, self.loader, step,
                       self.sched, self.background, say if say is not None else self.say_to,
                       extra)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpctrain import precision
 from hpctrain.models.build import build_model
 from hpctrain.parallel import recompute
 from hpctrain.parallel.local import LocalEngine
@@ -74,6 +75,8 @@ def build_engine(cfg: Any, topo: Any):
         model = apply_tensor_parallel(model, cfg, topo.tp_comm)
     # after tp (its layers' forwards are what is run again), before the stages are cut
     recompute.apply(model, cfg.train.recompute, cfg.train.recompute_pieces)
+    # around recomputation's wrappers: the kept input is stored in the low dtype too
+    precision.apply(model, cfg.train.precision)
     if topo.pp_size > 1:
         return PIPELINE_ENGINES[cfg.parallel.pipeline_training](model, cfg, topo)
     if topo.tp_size > 1:
