@@ -58,6 +58,18 @@ def run_mpi(nprocs: int, args: list[str], *, timeout: float, env: dict | None = 
                           text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
+def copy_task_batches(sequences: int, seq_len: int, vocab: int, steps: int,
+                      seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` batches of ``sequences`` random token rows of ``seq_len`` and their
+    targets ``(3 x + 1) mod vocab``: a task a tiny GPT learns in a few steps."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = rng.integers(0, vocab, (sequences, seq_len))
+        out.append((x, (3 * x + 1) % vocab))
+    return out
+
+
 def train_losses(cfg, comm, batches, *, steps: int | None = None,
                  node_key: int | None = None) -> list[float]:
     """Train ``cfg`` (validated for ``comm``'s size) on given *global* batches.

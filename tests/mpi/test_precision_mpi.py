@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
-from hpctrain.testing import assert_all, assert_close_all, train_losses
+from hpctrain.testing import assert_all, assert_close_all, copy_task_batches, train_losses
 from hpctrain.train import make_data_parallel
 
 ROWS, V, T = 4, 32, 8  # ROWS: sequences per data-parallel rank and step
@@ -28,12 +28,7 @@ def config(n, parallel, precision="fp32", grad_comm="fp32"):
 
 
 def batches(dp, steps=4, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        x = rng.integers(0, V, (dp * ROWS, T))
-        out.append((x, (3 * x + 1) % V))
-    return out
+    return copy_task_batches(dp * ROWS, T, V, steps, seed)
 
 
 def summed(comm, cfg):

@@ -11,7 +11,7 @@ import pytest
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
-from hpctrain.testing import assert_all, train_losses
+from hpctrain.testing import assert_all, copy_task_batches, train_losses
 
 ROWS, V, T = 4, 32, 8  # ROWS: sequences per data-parallel rank and step
 MODEL = ModelConfig(dtype="float64", vocab_size=V, seq_len=T, n_layer=4, n_head=2,
@@ -42,12 +42,7 @@ def config(n, parallel, mode="none", pieces=(), dtype="float64", tie=False):
 
 
 def batches(dp, steps=3, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        x = rng.integers(0, V, (dp * ROWS, T))
-        out.append((x, (3 * x + 1) % V))
-    return out
+    return copy_task_batches(dp * ROWS, T, V, steps, seed)
 
 
 def gradients(comm, cfg):
