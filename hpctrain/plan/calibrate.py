@@ -395,6 +395,14 @@ def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
     cmd = command(ranks, argv) if command else [launcher, "-n", str(ranks), *argv]
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    return job_result(cmd, RESULT_TAG, timeout, env=env, timeout_hint=" (--timeout)")
+
+
+def job_result(cmd: list[str], tag: str, timeout: float, *, env: dict | None = None,
+               timeout_hint: str = "") -> dict:
+    """Run the MPI job ``cmd`` and return the JSON of the stdout line its rank 0 starts
+    with ``tag``; a failure, a timeout (the job's whole session killed) or a missing
+    line is a ClickException naming the command."""
     # a session of its own, so that a timeout ends mpiexec and every rank it started
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -403,14 +411,14 @@ def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise click.ClickException(f"the MPI job took more than {timeout:g} s (--timeout) "
+        raise click.ClickException(f"the MPI job took more than {timeout:g} s{timeout_hint} "
                                    f"and was killed: {shlex.join(cmd)}") from None
     if proc.returncode != 0:
         raise click.ClickException(f"the MPI job failed (exit status {proc.returncode}): "
                                    f"{shlex.join(cmd)}")
     for line in stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+        if line.startswith(tag):
+            return json.loads(line[len(tag):])
     raise click.ClickException(f"the MPI job printed no result: {shlex.join(cmd)}")
 
 

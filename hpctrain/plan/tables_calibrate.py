@@ -33,11 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -389,23 +386,10 @@ def worker(argv: list[str]) -> None:
 
 
 def run_job(launcher: str, ranks: int, argv: list[str], timeout: float) -> dict:
-    cmd = [launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
-           "hpctrain.plan.tables_calibrate", *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise click.ClickException(f"the MPI job took more than {timeout:g} s and was "
-                                   f"killed: {shlex.join(cmd)}") from None
-    if proc.returncode != 0:
-        raise click.ClickException(f"the MPI job failed (exit status {proc.returncode}): "
-                                   f"{shlex.join(cmd)}")
-    for line in out.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    raise click.ClickException(f"the MPI job printed no result: {shlex.join(cmd)}")
+    from hpctrain.plan.calibrate import job_result
+
+    return job_result([launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
+                       "hpctrain.plan.tables_calibrate", *argv], RESULT_TAG, timeout)
 
 
 # ---------------------------------------------------------------------------------
