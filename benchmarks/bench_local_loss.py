@@ -27,6 +27,12 @@ within one run of this command). ``OUT/accuracy.png``: test accuracy (MLP, CNN) 
 validation loss (GPT) against training wall-clock time, one line per method and pp;
 ``OUT/results.json`` every figure. ``run`` is one training run, under mpiexec (what
 ``all`` starts).
+
+``--link RATE`` (root) runs every pp on an emulated cluster instead (``hpctrain
+cluster``, its own name and switch): pp one-core nodes, one stage a node, joined by
+links shaped to RATE, each node given ``cores / pp`` of this machine's cores (half a
+core at pp = 4 on 2 cores), MPI traffic forced onto the links (``UCX_TLS=tcp``).
+Each run also records the bytes its nodes sent through the switch.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +91,30 @@ def schedule(model: str, plan: str) -> tuple[int, int, int]:
     steps = (int(length[:-1]) * steps_per_epoch(CASES[model]) if isinstance(length, str)
              else length)
     return steps, max(1, steps // evals), batches
+
+
+CLUSTER, SUBNET = "hpcll", "10.225.0.0/24"  # the --link runs' own cluster and switch
+
+
+@contextmanager
+def launcher(pp: int, link: str | None):
+    """A function from a run's argv to the job's command and a function giving the bytes
+    the nodes sent so far: plain ``mpiexec -n pp`` without ``link``; with it, over an
+    emulated cluster of pp one-core nodes (each ``cores / pp`` of the machine) for the
+    length of the ``with`` block."""
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    if link is None:
+        yield (lambda argv: [mpiexec, "-n", str(pp), *argv]), (lambda: 0)
+        return
+    from hpctrain.cluster import lifecycle, net
+    from hpctrain.cluster import spec as spec_mod
+
+    share = min(1.0, (os.cpu_count() or 1) / pp)
+    spec = spec_mod.build({"name": CLUSTER, "subnet": SUBNET, "link": link,
+                           "nodes": [{"count": pp, "cores": 1, "cpu_share": share}]})
+    with lifecycle.running(spec, log=lambda _: None) as cl:
+        yield ((lambda argv: cl.mpiexec_command(argv, ranks_per_node=1, mpiexec=mpiexec)),
+               (lambda: sum(net.link_bytes(cl.spec, n)[0] for n in cl.spec.nodes)))
 
 
 # ---------------------------------------------------------------------------------
@@ -218,37 +249,52 @@ def report(results: list[dict], per_epoch: int) -> None:
               help="Seconds one run may take before it is killed (a failure).")
 @click.option("--out", default="runs/bench-local-loss", show_default=True,
               type=click.Path(file_okay=False), help="Folder for the runs, PNG and JSON.")
+@click.option("--link", default=None, metavar="RATE",
+              help="Run on an emulated cluster of pp one-core nodes joined at RATE "
+                   "(e.g. 1gbit, 100mbit; root); default: plain mpiexec on this machine.")
 def run_all(plan: str, models: str, pps: str, microbatches: int, repeats: int, limit: int,
-            out: str) -> None:
+            out: str, link: str | None) -> None:
     """Every model, pp and method, one mpiexec job a run; the table and the PNG."""
     names = [m for m in models.split(",") if m]
     for name in names:
         if name not in CASES:
             raise click.BadParameter(f"{name!r} is not one of {sorted(CASES)}",
                                      param_hint="--models")
+    if link is not None:
+        from hpctrain.cluster import spec as spec_mod
+
+        spec_mod.parse_rate(link)  # a bad rate fails here, before any run
+        if os.geteuid() != 0:
+            raise click.UsageError("--link builds an emulated cluster: run it as root")
     out_dir = Path(out)
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"} | dict(os.environ)
     results = []
     per_epoch = steps_per_epoch(CASES["mlp"])
     for model in names:
         steps, every, batches = schedule(model, plan)
         for pp in (int(p) for p in pps.split(",")):
-            for run_no in range(1, repeats + 1):
-                for method in METHODS if run_no % 2 else METHODS[::-1]:
-                    run_dir = out_dir / f"{model}-pp{pp}-{method}-{run_no}"
-                    cmd = [str(mpiexec), "-n", str(pp), sys.executable, "-m", "mpi4py",
-                           __file__, "run", "--model", model, "--method", method,
-                           "--steps", str(steps), "--eval-every", str(every),
-                           "--eval-batches", str(batches), "--microbatches", str(microbatches),
-                           "--run-dir", str(run_dir)]
-                    t0 = time.perf_counter()
-                    subprocess.run(cmd, check=True, timeout=limit, env=env)
-                    r = json.loads((run_dir / "run.json").read_text()) | {"run": run_no}
-                    results.append(r)
-                    print(f"{model} pp {pp} {LABELS[method]} run {run_no}: {steps} steps, "
-                          f"mean step {1e3 * mean_step(r):.1f} ms, job "
-                          f"{time.perf_counter() - t0:.0f} s", flush=True)
+            with launcher(pp, link) as (command, sent):
+                for run_no in range(1, repeats + 1):
+                    for method in METHODS if run_no % 2 else METHODS[::-1]:
+                        run_dir = out_dir / f"{model}-pp{pp}-{method}-{run_no}"
+                        cmd = command([sys.executable, "-m", "mpi4py", str(Path(__file__)
+                                                                           .resolve()),
+                                       "run", "--model", model, "--method", method,
+                                       "--steps", str(steps), "--eval-every", str(every),
+                                       "--eval-batches", str(batches),
+                                       "--microbatches", str(microbatches),
+                                       "--run-dir", str(run_dir.resolve())])
+                        t0, bytes0 = time.perf_counter(), sent()
+                        subprocess.run(cmd, check=True, timeout=limit, env=env)
+                        r = json.loads((run_dir / "run.json").read_text()) | {
+                            "run": run_no, "link": link,
+                            "link_bytes_per_step": (sent() - bytes0) / steps}
+                        results.append(r)
+                        wire = (f"{r['link_bytes_per_step'] / 1e3:.0f} kB/step on the links, "
+                                if link else "")
+                        print(f"{model} pp {pp} {LABELS[method]} run {run_no}: {steps} "
+                              f"steps, mean step {1e3 * mean_step(r):.1f} ms, {wire}"
+                              f"job {time.perf_counter() - t0:.0f} s", flush=True)
     report(results, per_epoch)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))

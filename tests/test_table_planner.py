@@ -193,3 +193,23 @@ def test_plan_tables_command_prints_writes_and_refuses(tmp_path):
     assert got.exit_code != 0 and "table 'hashed' (row-wise)" in got.output
     got = CliRunner().invoke(main, [*args, "--memory-gib", "0.2"])
     assert got.exit_code != 0 and "table 'hashed' (10,000,000 x 32" in got.output
+
+
+def test_shared_time_runs_each_call_with_inputs_of_its_own_for_the_span_asked():
+    import time
+
+    from mpi4py import MPI
+
+    from hpctrain.plan.tables_calibrate import _shared_time
+
+    made = []
+
+    def make(i):
+        made.append(i)
+        return lambda: time.sleep(0.002)
+
+    per_call = _shared_time(MPI.COMM_SELF, make, min_s=0.03)
+    # 0 is the warm-up call; then enough calls for the 30 ms span, each made afresh
+    assert made[0] == 0 and made[1:] == list(range(1, len(made)))
+    assert len(made) - 1 >= 3 and (len(made) - 1) * 0.002 >= 0.03 * 0.5
+    assert 0.002 <= per_call < 0.02

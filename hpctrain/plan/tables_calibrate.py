@@ -8,6 +8,9 @@ of ``plan/tables.py``:
                   repeats; a least-squares line of seconds over the bytes a rank
                   receives: its bytes_per_s (its latency_s: see below)
     route_s       the requester's split of n ids for one shard, per id
+                  (this and the kernels below: ``_shared_time``, every rank running
+                  the kernel at once, call after call, for 50 ms, as a step's phase
+                  runs; with more ranks than cores they share them)
     pool          ``parallel.tables._pool_sum`` of n random rows of a table in the
                   last-level cache (256 KiB) and far beyond it (the largest table to
                   be planned, 128 MiB to 1 GiB), at dims 16 and 64: a line over the
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -64,6 +68,27 @@ def _median_time(comm, fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return comm.allreduce(statistics.median(times), op=_max())
+
+
+def _shared_time(comm, make, min_s: float = 0.05) -> float:
+    """Seconds per call when every rank runs the kernel at once, call after call, for
+    at least ``min_s``, as a training step runs a phase on every rank at once: ranks
+    that share a core then share its time. (A median of single calls would not see
+    that: a call shorter than the scheduler's slice mostly runs alone.) ``make(i)``
+    gives the i-th call, with inputs of its own (rows drawn afresh stay uncached); the
+    slowest rank's mean over the calls."""
+    first = make(0)
+    first()  # warm: pages, code
+    t0 = time.perf_counter()
+    first()
+    one = max(time.perf_counter() - t0, 1e-7)
+    k = comm.allreduce(max(3, math.ceil(min_s / one)), op=_max())
+    calls = [make(i) for i in range(1, k + 1)]
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for fn in calls:
+        fn()
+    return comm.allreduce((time.perf_counter() - t0) / k, op=_max())
 
 
 def _max():
@@ -105,9 +130,10 @@ def _rows_rate(per_row: dict[int, float], itemsize: int) -> tp.RowRate:
     return tp.RowRate(max(t0 - d0 * itemsize * byte_s, 0.0), byte_s)
 
 
-def kernel_rates(comm, itemsize: int = 4, repeats: int = 7,
+def kernel_rates(comm, itemsize: int = 4,
                  uncached_bytes: int = UNCACHED_BYTES) -> dict[str, Any]:
-    """route_s, pool, grad and update rates (every rank at once); the uncached ones
+    """route_s, pool, grad and update rates (every rank at once, ``_shared_time``:
+    with more ranks than cores each kernel runs at its share of one); the uncached ones
     on a table of ``uncached_bytes`` (random rows of a larger table miss the TLB as
     well as the cache: measure at the size of the tables to be planned)."""
     from hpctrain.nn.module import SparseGrad, SparseParameter
@@ -118,9 +144,9 @@ def kernel_rates(comm, itemsize: int = 4, repeats: int = 7,
     rng = np.random.default_rng(comm.Get_rank())
     b = N_IDS
     ids = rng.integers(0, 1 << 20, (b, 1))
-    route = _median_time(comm, lambda: np.concatenate(
-        [[b], ((ids >= 0) & (ids < 1 << 19)).sum(axis=1), ids[(ids >= 0) & (ids < 1 << 19)]]),
-        repeats) / b
+    route = _shared_time(comm, lambda _: lambda: np.concatenate(
+        [[b], ((ids >= 0) & (ids < 1 << 19)).sum(axis=1), ids[(ids >= 0) & (ids < 1 << 19)]])
+    ) / b
     pool: dict[str, dict[int, float]] = {"cached": {}, "uncached": {}}
     update: dict[str, dict[int, float]] = {}
     grad: dict[int, float] = {}
@@ -128,22 +154,30 @@ def kernel_rates(comm, itemsize: int = 4, repeats: int = 7,
     for dim in (16, 64):
         g = rng.standard_normal((b, dim)).astype(dtype)
         rows_of = rng.integers(0, 4096, b)
-        grad[dim] = _median_time(comm, lambda d=dim, r=rows_of, v=g: SparseGrad(
-            (4096, d), dtype).add(r, v), repeats) / b
+        grad[dim] = _shared_time(comm, lambda _, d=dim, r=rows_of, v=g: lambda: SparseGrad(
+            (4096, d), dtype).add(r, v)) / b
         for reg, nbytes in (("cached", CACHED_BYTES), ("uncached", uncached_bytes)):
             rows = nbytes // (dim * itemsize)
             W = np.full((rows, dim), 0.5, dtype)  # written: every page present
-            local = rng.integers(0, rows, b)
-            pool[reg][dim] = _median_time(comm, lambda w=W, i=local: _pool_sum(
-                w, i, lens, b), repeats) / b
-            uniq = np.unique(local)
-            gu = g[:len(uniq)]
+
+            def pooled(_, w=W, n=rows):
+                local = rng.integers(0, n, b)
+                return lambda: _pool_sum(w, local, lens, b)
+
+            pool[reg][dim] = _shared_time(comm, pooled) / b
             for name, cls in (("rowwise_adagrad", RowWiseAdaGrad), ("adam", SparseAdam)):
                 opt = cls([("t", SparseParameter(W))], lr=1e-3)
                 opt.t = 1  # its state written at construction: every page present
-                t = _median_time(comm, lambda o=opt, w=W, u=uniq, v=gu: o._update(
-                    0, w, u, v, 1e-3), repeats) / len(uniq)
-                update.setdefault(f"{name}/{reg}", {})[dim] = t
+                n_rows = []
+
+                def updated(_, o=opt, w=W, n=rows, seen=n_rows, g=g):
+                    uniq = np.unique(rng.integers(0, n, b))
+                    seen.append(len(uniq))
+                    gu = g[:len(uniq)]
+                    return lambda: o._update(0, w, uniq, gu, 1e-3)
+
+                t = _shared_time(comm, updated)
+                update.setdefault(f"{name}/{reg}", {})[dim] = t / statistics.fmean(n_rows)
                 del opt
             del W
     return {"route_s": route,
