@@ -43,7 +43,11 @@ before its backward, keeping only its input; ``selective``: the attention scores
 softmax and weighted sum only, both per-head products again); whether the
 data-parallel reduction overlaps the backward; the element-wise kernels (hpctrain's
 NumPy passes, or fused GPU kernels as Megatron's); pipeline messages split over the
-tensor group's links and all-gathered in the node.
+tensor group's links and all-gathered in the node. The memory of a config whose
+``[train] precision`` is bf16 or fp16 is what ``hpctrain.precision`` stores whatever the
+practice's element sizes say (``memory.elements``: 16-bit caches, all else float32, the
+masters being the parameters); those sizes are another software's mixed precision for
+an fp32 config (Megatron's 16-bit parameters and gradients beside float32 masters).
 """
 
 from __future__ import annotations
@@ -302,6 +306,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     p2p = p2p_s(cluster, mem.boundary_bytes(m, b, tp, sp, s), tp, sp, p2p_inter,
                 practice.p2p_scatter_gather) if pp > 1 else 0.0
     states = mem.OPTIMIZER_STATES[t.optimizer]
+    # memory: what each kind of array is stored in (the config's precision, else the practice's)
+    e = mem.elements(m, t.precision, practice.element_bytes, practice.master_bytes)
     stream_missing = False
 
     per_rank, chunk_times = [], []
@@ -346,21 +352,25 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             link_b = 0.0 if first else p2p
             times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
             act_max = max(act_max, mem.chunk_activation_bytes(
-                m, b, tp, sp, nb, first, last, pp > 1, rc, s))
+                m, b, tp, sp, nb, first, last, pp > 1, rc, e.cache,
+                e.work if e.work != e.cache else None))
         chunk_times.append(times)
         sizes = mem.rank_param_sizes(m, tp, pp, v, par.balance, r)
-        params, grads, optim = mem.state_bytes(sizes, s, dp, par.zero, states, par.bucket_mb,
-                                               practice.master_bytes)
-        work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks, s)
-        work += mem.recompute_bytes(m, b, tp, sp, rc, s)  # what a backward makes again
-        work = max(work, s * max(sizes))  # the optimizer's scratch
+        params, grads, optim = mem.state_bytes(sizes, e.state, dp, par.zero, states,
+                                               par.bucket_mb, e.master)
+        work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks, e.work)
+        work += mem.recompute_bytes(m, b, tp, sp, rc, e.work)  # what a backward makes again
+        if e.copies:  # reduced precision: the float32 copies of the piece in backward
+            work += mem.precision_copies(m, b, tp, sp, rc, 0 in chunks, blocks > 0,
+                                         n_chunks - 1 in chunks, e.work)
+        work = max(work, e.state * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
         if par.zero == 3:  # gathered pieces and one piece's whole gradient
-            buckets = mem.zero3_transient_bytes(m, tp, s)
+            buckets = mem.zero3_transient_bytes(m, tp, e.state)
         retained = 0
         if pp > 1 and practice.keeps_whole_model:  # the other stages' data and grad
             whole = sum(mem.rank_param_sizes(m, tp, 1, 1, par.balance, 0))
-            retained = 2 * s * max(0, whole - sum(sizes))
+            retained = 2 * e.state * max(0, whole - sum(sizes))
         memory = mem.Memory(params, grads, optim, live[r] * act_max, work, buckets, retained)
         per_rank.append(dict(kinds=kinds, slow=slow, small=small, stream=stream,
                              blocks=blocks, chunks=chunks, memory=memory,

@@ -27,6 +27,12 @@ sequences, ``N = b T`` tokens, ``H`` heads, ``s`` bytes an element::
 
 The embedding keeps only integer indices. A pipeline stage also keeps each received
 input activation, ``s N C`` (``/t`` with SP), until its backward.
+
+Reduced precision (``[train] precision``, ``hpctrain.precision``) stores only the caches
+in 16 bits (``Elements``): the parameters are the float32 masters, gradients accumulate
+in float32, arithmetic and its transient arrays are float32, and so are the activations
+pieces hand each other (rounded, not cast: a received pipeline input is a float32
+buffer). Each piece's backward holds float32 copies of its own (``precision_copies``).
 """
 
 from __future__ import annotations
@@ -44,6 +50,34 @@ OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # arrays per parameter element (m, v;
 
 def itemsize(m: ModelConfig) -> int:
     return np.dtype(m.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Elements:
+    """Bytes an element of each kind of array a rank holds."""
+
+    state: int  # parameters, gradients (and their buckets), optimizer state
+    master: int  # a master copy of the parameters and the optimizer state (0: none)
+    cache: int  # the activations a forward keeps for its backward
+    work: int  # the transient arrays of a forward or backward, received activations
+    copies: bool = False  # a backward expands its piece's cache, rounds its parameters
+
+
+def elements(m: ModelConfig, precision: str = "fp32", element_bytes: int | None = None,
+             master_bytes: int = 0) -> Elements:
+    """What a run of ``[train] precision`` stores in which size.
+
+    "fp32": ``element_bytes`` everywhere (default the model's dtype), the optimizer
+    keeping ``master_bytes`` masters and state when given (a practice's mixed precision,
+    Megatron's: 16-bit parameters and gradients beside float32 masters). "bf16" and
+    "fp16" are ``hpctrain.precision`` whatever the practice says: 2-byte caches, all
+    else in the model's dtype (the float32 ``Parameter.data`` *is* the master, and the
+    optimizer holds its moments only), and ``copies`` (``precision_copies``)."""
+    if precision == "fp32":
+        s = element_bytes or itemsize(m)
+        return Elements(state=s, master=master_bytes, cache=s, work=s)
+    full = itemsize(m)
+    return Elements(state=full, master=0, cache=2, work=full, copies=True)
 
 
 # ---------------------------------------------------------------------------------
@@ -150,13 +184,20 @@ def attention_core_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None) 
 
 def chunk_activation_bytes(m: ModelConfig, b: int, tp: int, sp: bool, blocks: int,
                            first: bool, last: bool, pipelined: bool,
-                           recompute: str = "none", s: int | None = None) -> int:
-    """One microbatch's cache of a model chunk (with its received input if pipelined)."""
+                           recompute: str = "none", s: int | None = None,
+                           received: int | None = None) -> int:
+    """One microbatch's cache of a model chunk (with its received input if pipelined).
+    ``received``: the received input's element bytes when the caches are stored in
+    another size (``hpctrain.precision``: the schedule's float32 buffer, beside a fully
+    recomputed first block's 16-bit copy of it)."""
     total = blocks * kept_block_bytes(m, b, tp, sp, recompute, s)
     if last:
         total += head_activation_bytes(m, b, tp, sp, s)
-    if pipelined and not first and not (recompute == "full" and blocks):
-        total += boundary_bytes(m, b, tp, sp, s)  # (full: the first block keeps it already)
+    if pipelined and not first:
+        if received is not None:
+            total += boundary_bytes(m, b, tp, sp, received)
+        elif not (recompute == "full" and blocks):  # (full: the first block keeps it)
+            total += boundary_bytes(m, b, tp, sp, s)
     return total
 
 
@@ -183,6 +224,23 @@ def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool,
     block = n * 3 * c // tp + b * h // tp * t * t + 2 * n * c + 2 * n * f // tp
     head = 2 * n * v // tp + 2 * n * c if has_head else 0
     return (s or itemsize(m)) * max(block, head)
+
+
+def precision_copies(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
+                     first: bool, blocks: bool, last: bool, s: int) -> int:
+    """``hpctrain.precision``'s float32 copies during one piece's backward, the largest
+    piece of this rank's: the piece's cache expanded from 16 bits (its stored copy
+    stays in the model's cache until the whole backward ends) and its parameters
+    rounded to 16 bits as float32 arrays (beside the masters), ``s`` bytes an element.
+    The embedding caches indices only; the head's parameters include a tied table."""
+    copies = [s * sum(embed_sizes(m, tp))] if first else []
+    if blocks:
+        copies.append(kept_block_bytes(m, b, tp, sp, recompute, s)
+                      + s * sum(block_sizes(m, tp)))
+    if last:
+        copies.append(head_activation_bytes(m, b, tp, sp, s)
+                      + s * sum(head_sizes(m, tp, pp=2)))
+    return max(copies, default=0)
 
 
 # ---------------------------------------------------------------------------------
