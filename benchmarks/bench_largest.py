@@ -20,8 +20,9 @@ each::
 The search, per row:
 
 1. The planner's model (``plan.cost.predict_memory``, the terms of ``plan/memory.py``)
-   gives each depth's per-rank step peak of traced memory; the engine's build holds
-   the whole model's parameters twice (``build_bytes``: at ZeRO 3 more than a step);
+   gives each depth's per-rank step peak of traced memory; the engine's build
+   (``build_bytes``) holds the whole model's parameters twice at ZeRO 0-2, and at
+   ZeRO 3, which shards each piece as it is built, the rank's shards and one piece;
    the larger of the two plus the process overhead neither counts (interpreter,
    libraries, MPI: RSS minus that peak, the most measured so far, ``--overhead-mib``
    before the first trial) is the predicted RSS. The deepest model predicted within
@@ -157,18 +158,27 @@ def predicted_traced(shape: Shape, layout: tuple, layers: int) -> int:
     return max(m.total for m in cost.predict_memory(cfg, practice(cfg)))
 
 
-BUILD_COPIES = 2  # the whole model's parameters held at once while an engine is built
+BUILD_COPIES = 2  # ZeRO 0-2: the whole model's parameters held at once while built
+PIECE_COPIES = 2  # ZeRO 3: the piece being drawn, in its float32 parameters' bytes
 
 
 def build_bytes(shape: Shape, layout: tuple, layers: int) -> int:
-    """Each rank's peak while the engine is built, before the first step: the serial
-    model's float32 parameters whole, a flat copy of them, and the rank's 1/dp shard
-    at ZeRO 3 (measured: 703 MiB RSS for a 274 MiB model at dp 4, 100 MiB of it the
-    process). The planner does not count it; only ZeRO 3 gets near it, since with the
-    whole model's state sharded its step peak falls below the model itself. glibc
-    keeps the freed copies (``runtime.keep_freed_memory``), so RSS never falls back."""
+    """Each rank's peak while the engine is built, before the first step.
+
+    ZeRO 0-2: the serial model's float32 parameters whole, twice (not measured again:
+    their step peaks are far above it). ZeRO 3 builds a piece at a time and shards
+    each piece at once (``parallel/zero3_build.py``): the rank's 1/dp shards of the
+    parameters and of their gradients, and the piece being drawn, whose float32
+    arrays and the float64 draw of its largest weight stay under two of its float32
+    size (a GPT block: 5/3). The old ZeRO-3 build held the whole model twice and the
+    shard (703 MiB RSS for a 274 MiB model at dp 4, 100 MiB of it the process); now
+    its step peak, which holds the optimizer state and a gathered piece as well, is
+    the larger. The planner does not count the build. glibc keeps freed arrays
+    (``runtime.keep_freed_memory``), so RSS never falls back below it."""
     whole = 4 * parameters(shape, layers)
-    return whole * BUILD_COPIES + (whole // shape.ranks if layout[0] == 3 else 0)
+    if layout[0] == 3:
+        return 2 * whole // shape.ranks + PIECE_COPIES * 4 * largest_piece(shape, layers)
+    return whole * BUILD_COPIES
 
 
 def predicted_peak(shape: Shape, layout: tuple, layers: int) -> int:
@@ -181,6 +191,15 @@ def parameters(shape: Shape, layers: int) -> int:
 
     cfg = validated(raw_config(shape, ROWS["zero0"][0], layers, "unused"), shape.ranks)
     return sum(mem.rank_param_sizes(cfg.model, 1, 1, 1, "layers", 0))
+
+
+def largest_piece(shape: Shape, layers: int) -> int:
+    """Parameters of the GPT's largest pipeline piece (a block, or embedding or head)."""
+    from hpctrain.parallel.stages import costs_of
+
+    cfg = validated(raw_config(shape, ROWS["zero0"][0], layers, "unused"), shape.ranks)
+    costs = costs_of(cfg.model)
+    return int(max(costs.first, *costs.middle, costs.last))
 
 
 def deepest_predicted(shape: Shape, layout: tuple, per_rank: int, overhead: int,

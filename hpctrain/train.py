@@ -114,7 +114,8 @@ def make_data_parallel(cfg: Config, engine, topo: Topology):
                                                                                 cfg),
                                  reshard_after_forward=par.reshard_after_forward,
                                  reduce_scatter=hierarchical_reduce_scatter(topo)
-                                 if hierarchical else None)
+                                 if hierarchical else None,
+                                 units=getattr(engine, "zero3_units", None))
     return ZeroDataParallel(engine, topo, stage=par.zero, bucket_mb=par.bucket_mb,
                             make_optimizer=functools.partial(make_optimizer, cfg),
                             reduce_scatter=hierarchical_reduce_scatter(topo) if hierarchical

@@ -109,3 +109,60 @@ def test_planner_estimate_at_zero_3_shards_parameters_and_adds_the_gathered_piec
     assert zero3.params * 2 == pytest.approx(zero0.params, abs=8)
     assert zero3.optimizer * 2 == pytest.approx(zero0.optimizer, abs=16)
     assert zero3.buckets == mem.zero3_transient_bytes(make().model, 1, 4) > 0
+
+
+class Group:
+    """A data group of ``size`` ranks seen from ``rank``, without MPI."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+
+@pytest.mark.parametrize("pp, pp_rank, schedule, v", [
+    (1, 0, "1f1b", 1), (2, 0, "1f1b", 1), (2, 1, "1f1b", 1), (2, 1, "interleaved", 2)])
+def test_the_build_shards_each_piece_this_rank_runs_and_drops_the_others(pp, pp_rank,
+                                                                         schedule, v):
+    """``zero3_build`` at dp = 2 without MPI: the units are the engine's (parameters
+    first met in this pipeline rank's pieces, in order), the two dp ranks' shards
+    make the serial weights bitwise, every other parameter is a placeholder; the tied
+    token table is the head's on the last stage."""
+    from hpctrain.models.build import build_model
+    from hpctrain.models.registry import model_class
+    from hpctrain.parallel.zero3_build import PieceSharder, held_pieces
+
+    m = replace(GPT, n_layer=4, tie_embeddings=True, dtype="float32")
+    par = ParallelConfig(dp=2, pp=pp, schedule=schedule, virtual_stages=v, microbatches=pp,
+                         zero=3)
+    cfg = Config(model=m, parallel=par, train=TRAIN).validate(2 * pp)
+    serial = dict(build_model(m, 0).named_parameters())
+    held = held_pieces(model_class("gpt"), cfg, pp_rank, pp)
+    shards = []
+    for dp_rank in (0, 1):
+        sharder = PieceSharder(held, Group(2, dp_rank))
+        model = build_model(m, 0, on_piece=sharder)
+        shards.append([u.shard for u in sharder.finish()])
+    pieces = [model.embed, *model.blocks, model.head]
+    mine = [pieces[k] for k in held]
+    seen, want = set(), []
+    for piece in mine:  # the units the engine's pieces make (zero3._make_units)
+        own = [p for p in piece.parameters() if id(p) not in seen]
+        seen.update(map(id, own))
+        if own:
+            want.append(own)
+    assert [[id(p) for p in u.params] for u in sharder.units] == [[id(p) for p in w]
+                                                                   for w in want]
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    for u, (a, b) in zip(sharder.units, zip(*shards, strict=True), strict=True):
+        flat = np.concatenate([a, b])
+        for p, off in zip(u.params, u.offsets, strict=True):
+            assert flat[off:off + p.size].tobytes() == serial[name_of[id(p)]].data.tobytes()
+    for p in model.parameters():  # held or not, no parameter keeps an array of its own
+        assert not any(p.data.strides)
+    if pp > 1 and pp_rank == pp - 1:
+        assert model.embed.wte.weight in sharder.units[-1].params  # the head's copy

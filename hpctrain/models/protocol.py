@@ -52,6 +52,14 @@ Optional, each one a layout or a feature (the defaults here decline it):
                                      piece k outputs: forward(act, targets) -> (loss,
                                      cache), backward(dloss, cache) -> dact, like the
                                      last piece; weights from ``aux_rng(seed, k)``
+    builds_by_piece                  True: ``Model(cfg, seed, on_piece=f)`` calls
+                                     f(piece) on each pipeline piece, in order, as soon
+                                     as it is built, before drawing the next; f may
+                                     replace the arrays of the piece's parameters (ZeRO
+                                     3 keeps its shard and drops the rest:
+                                     ``parallel/zero3_build.py``), so the constructor
+                                     never reads a piece's parameters after handing it
+                                     over; the draws are those of ``Model(cfg, seed)``
 
 Local-loss pipeline training (``hpctrain.parallel.local_loss``, ``[parallel]
 pipeline_training = "local"``). Every stage but the last ends with an auxiliary head
@@ -167,6 +175,8 @@ class Model(Module):
     # instances), so that wrappers put on the pieces (recompute, precision, ZeRO-3)
     # act at pp = 1 too; a model whose pieces serve only a pipeline says False
     runs_its_pieces: bool = True
+    # whether Model(cfg, seed, on_piece=f) hands each pipeline piece to f as it is built
+    builds_by_piece: bool = False
     data_format: str = ""
     config_keys: tuple[str, ...] = ()
 

@@ -25,8 +25,11 @@ from hpctrain.nn.threads import over_rows
 def init_normal(rng: np.random.Generator, shape: tuple[int, ...], std: float,
                 dtype) -> np.ndarray:
     """normal(0, std) drawn in float64 and then cast, so a float32 and a float64 model
-    built from the same seed hold the same weights up to rounding."""
-    return (rng.standard_normal(shape) * std).astype(dtype)
+    built from the same seed hold the same weights up to rounding. Scaled in place:
+    one float64 array alive, not two (a model's build peaks at its largest weight)."""
+    w = rng.standard_normal(shape)
+    w *= std
+    return w.astype(dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------

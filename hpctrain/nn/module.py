@@ -10,7 +10,16 @@ several microbatches in flight at once.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+
+
+class _Unallocated(NamedTuple):
+    """A new Parameter's gradient until it is first read: its shape and dtype only."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
 
 
 class Parameter:
@@ -18,13 +27,29 @@ class Parameter:
 
     ``backward`` methods accumulate into ``grad`` (``+=``); call ``zero_grad`` once per
     optimizer step, not once per microbatch.
+
+    ``grad`` is allocated (zeros of ``data``'s shape and dtype at construction) when it
+    is first read, not in the constructor: a model handed to a wrapper that brings
+    gradient buffers of its own (data parallelism's flat buckets, ZeRO's shards) never
+    holds a second whole copy of itself while it is built.
     """
 
-    __slots__ = ("data", "grad")
+    __slots__ = ("data", "_grad")
 
     def __init__(self, data: np.ndarray):
         self.data = np.ascontiguousarray(data)
-        self.grad = np.zeros_like(self.data)
+        self._grad = _Unallocated(self.data.shape, self.data.dtype)
+
+    @property
+    def grad(self):
+        g = self._grad
+        if type(g) is _Unallocated:
+            g = self._grad = np.zeros(g.shape, g.dtype)
+        return g
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._grad = value
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -39,7 +64,8 @@ class Parameter:
         return self.data.size
 
     def zero_grad(self) -> None:
-        self.grad.fill(0)
+        if type(self._grad) is not _Unallocated:  # never read: zeros when it is
+            self._grad.fill(0)
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"

@@ -6,7 +6,9 @@ no model: it reads what the model declares (``hpctrain.models.protocol``):
 
 1. build the full model the config's kind names (``hpctrain.models.registry``) from
    the global seed, identically on every rank, so the parameters are the same
-   whatever the layout;
+   whatever the layout; under ZeRO 3 (tp = 1) each piece is sharded over the data
+   group as soon as it is built, so the whole model is never held
+   (``hpctrain.parallel.zero3_build``);
 2. tensor parallelism (``tp > 1``) swaps sharded layers in, following the plan the
    model declares as data (``Model.tensor_plan``, ``hpctrain.parallel.tensor``);
 3. pipeline parallelism (``pp > 1``) keeps only this rank's stage(s) of the model's
@@ -40,6 +42,9 @@ An engine exposes what the training loop needs (``LocalEngine`` is the reference
   Calling it is an optimisation only: whatever is never reported is reduced after
   ``forward_backward`` returns. Gradients are accumulated into ``param.grad`` in place
   (the wrapper makes them views of its flat buffers).
+
+Built under ZeRO 3 a piece at a time, an engine also carries ``zero3_units``: the
+units its build sharded, which ``Zero3DataParallel`` takes over.
 """
 
 from __future__ import annotations
@@ -64,7 +69,21 @@ PIPELINE_ENGINES = {"backprop": PipelineEngine, "local": LocalLossEngine}
 
 def build_engine(cfg: Any, topo: Any):
     """This rank's engine for a validated config and its topology."""
-    model = build_model(cfg.model, cfg.train.seed)
+    units = None
+    if cfg.parallel.zero == 3 and topo.tp_size == 1:  # tp slices whole layers after
+        from hpctrain.parallel.zero3_build import build_sharded
+
+        model, units = build_sharded(cfg, topo)
+    else:
+        model = build_model(cfg.model, cfg.train.seed)
+    engine = _engine(model, cfg, topo)
+    if units is not None:
+        engine.zero3_units = units
+    return engine
+
+
+def _engine(model: Any, cfg: Any, topo: Any):
+    """The engine of the layout around the built model."""
     if topo.batch_comm.Get_size() > 1:
         category = "halo" if topo.spatial else "dp_comm"
         model.share_batch(batchnorm_reduce(topo.batch_comm, category=category))

@@ -18,6 +18,9 @@ One training step of a 2-piece chain (A, B), collective over ``dp_comm``::
     grads                reduce-scatter B's  ...            reduce-scatter A's ...
     step      the optimizer over this rank's shards only; nothing gathered after it
 
+* **Build**: the units are made as the model is built, each piece sharded before the
+  next is drawn (``zero3_build.py``: the whole model is never held), and handed in as
+  ``units``; a model that does not build by piece is built whole and sharded here.
 * **Gather** (``Iallgather`` of the unit's shards into a fresh full buffer): just
   before a piece's forward and again before its backward; each parameter's ``data``
   is then a view of that buffer. ``reshard_after_forward = False`` keeps the units
@@ -162,10 +165,11 @@ class Unit:
         self.padded = -(-self.numel // dp) * dp
         n = self.padded // dp
         self.lo = dp_rank * n  # this rank's shard is [lo, lo + n) of the flat unit
-        flat = np.zeros(self.padded, self.dtype)
+        self.shard = np.zeros(n, self.dtype)  # the padding stays zero
         for p, off in zip(params, self.offsets, strict=True):
-            flat[off:off + p.size] = p.data.reshape(-1)
-        self.shard = flat[self.lo:self.lo + n].copy()
+            lo, hi = max(off, self.lo), min(off + p.size, self.lo + n)
+            if lo < hi:  # straight from p: the whole flat unit is never made
+                self.shard[lo - self.lo:hi - self.lo] = p.data.reshape(-1)[lo - off:hi - off]
         self.grad_shard = np.zeros(n, self.dtype)
         self.full: np.ndarray | None = None
         self.gathering = None
@@ -226,6 +230,9 @@ class Zero3DataParallel:
     The per-step interface of ``data.DataParallel``; ``make_optimizer(named, decay=)``
     builds the serial optimizer over this rank's pieces; ``reduce_scatter(view, out)``
     as in ``zero.ZeroDataParallel`` (default one ``Ireduce_scatter_block``).
+    ``units``: the units the engine's build already sharded, a piece at a time
+    (``zero3_build.build_sharded``; checked against the engine's pieces), or None:
+    made here from the whole parameters.
     Construction is collective over ``topo.model_comm`` (``counted_once``).
     """
 
@@ -233,14 +240,14 @@ class Zero3DataParallel:
 
     def __init__(self, engine: Any, topo: Any, *, make_optimizer,
                  reshard_after_forward: bool = True, reduce_scatter=None,
-                 poll_interval: float = POLL_INTERVAL):
+                 poll_interval: float = POLL_INTERVAL, units: list[Unit] | None = None):
         self.engine, self.dp_comm, self.world_comm = engine, topo.dp_comm, topo.world_comm
         self.dp_size, self.dp_rank = self.dp_comm.Get_size(), self.dp_comm.Get_rank()
         self.reshard_after_forward = reshard_after_forward
         self.reduce_scatter = reduce_scatter
         self.progress = Progress(poll_interval if self.dp_size > 1 else 0.0)
         pieces = engine_pieces(engine)
-        self.units, self.needs = self._make_units(pieces, engine.params)
+        self.units, self.needs = self._make_units(pieces, engine.params, units)
         self._wrap(pieces)
         self.unit_of = {id(p): u for u in self.units for p in u.params}
         counted = dict(zip(map(id, engine.params),
@@ -254,8 +261,10 @@ class Zero3DataParallel:
 
     # ---- layout ---------------------------------------------------------------------
 
-    def _make_units(self, pieces: list, params: list) -> tuple[list[Unit], list[list[Unit]]]:
-        """One unit per piece with parameters of its own; which units each piece needs."""
+    def _make_units(self, pieces: list, params: list,
+                    built: list[Unit] | None) -> tuple[list[Unit], list[list[Unit]]]:
+        """One unit per piece with parameters of its own (``built``'s, if given);
+        which units each piece needs."""
         owner: dict[int, int] = {}
         own: list[list] = []
         for k, piece in enumerate(pieces):
@@ -264,16 +273,32 @@ class Zero3DataParallel:
         if missing:
             raise ValueError(f"ZeRO-3 shards the parameters of the model's pieces; "
                              f"{len(missing)} parameter(s) belong to no piece: {missing[:3]}")
-        units, unit_of_piece = [], {}
-        for k, ps in enumerate(own):
-            if ps:
-                unit_of_piece[k] = len(units)
-                units.append(Unit(len(units), ps, self.dp_size, self.dp_rank))
+        mine = [k for k, ps in enumerate(own) if ps]
+        unit_of_piece = {k: i for i, k in enumerate(mine)}
+        if built is None:
+            units = [Unit(i, own[k], self.dp_size, self.dp_rank) for i, k in enumerate(mine)]
+        else:
+            units = self._check_built(built, [own[k] for k in mine])
         needs = []
         for piece in pieces:
             idx = sorted({unit_of_piece[owner[id(p)]] for p in piece.parameters()})
             needs.append([units[i] for i in idx])
         return units, needs
+
+    def _check_built(self, built: list[Unit], own: list[list]) -> list[Unit]:
+        """``built`` if its units are the ones the engine's pieces make here: the same
+        parameters in the same order, sharded over this data group."""
+        want = [[id(p) for p in ps] for ps in own]
+        got = [[id(p) for p in u.params] for u in built]
+        layout = all(len(u.shard) * self.dp_size == u.padded
+                     and u.lo == self.dp_rank * len(u.shard) for u in built)
+        if got != want or not layout:
+            raise ValueError(f"ZeRO-3's build sharded {len(built)} unit(s) of "
+                             f"{[len(g) for g in got]} parameters, the engine's pieces make "
+                             f"{len(want)} of {[len(w) for w in want]}"
+                             + ("" if layout else f", over another dp than {self.dp_size}")
+                             + ": the build and the engine disagree on this rank's pieces")
+        return built
 
     def _cut_pieces(self, named_params: list, counted: dict[int, bool]):
         """This rank's optimizer pieces ``[(name[lo:hi], ShardPiece)]``, decay flags,

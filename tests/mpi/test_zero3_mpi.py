@@ -10,6 +10,12 @@
   ZeRO 3 are 1/dp of ZeRO 0's (each unit's padding apart); no parameter holds an array
   of its own between steps; the bytes ``tracemalloc`` sees alive after a step fall by
   about the sharded amount.
+* the build: at dp = 2 the engine is built a piece at a time (``zero3_build``): the
+  bytes ``tracemalloc`` sees at the build's peak, ZeRO's gradient shards apart, stay
+  below half the float32 model plus two of its largest piece (the piece's arrays, the
+  float64 draw of its largest weight, the modules' Python objects), where a build of
+  the whole model holds four times that half; and each rank's shards are, bitwise,
+  its part of the serial model's parameters.
 
 Assertions are collective (``hpctrain.testing``).
 """
@@ -29,6 +35,8 @@ from hpctrain.checkpoint import load_training, save_training
 from hpctrain.checkpoint.reshard import place, segments, slices
 from hpctrain.checkpoint.state import held_tensors
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from hpctrain.models.build import build_model
+from hpctrain.models.registry import model_class
 from hpctrain.optim import schedule
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.topology import Topology
@@ -221,3 +229,40 @@ def test_parameter_memory_at_zero_3_is_one_dp_th_of_zero_0(batches):
     assert_all(WORLD, alive0 - alive3 >= 0.9 * saving,
                f"tracemalloc: {alive0} bytes alive at zero 0, {alive3} at zero 3; the "
                f"shards should save {saving}")
+
+
+def test_zero_3_builds_a_piece_at_a_time_with_the_serial_weights(pair):
+    model = replace(MODEL, n_layer=16, d_model=128, seq_len=16, vocab_size=64, dtype="float32")
+    costs = model_class(model.kind).piece_costs(model)
+    piece = 4 * int(max(costs.first, *costs.middle, costs.last))  # bytes, float32
+    verdict, note = True, ""
+    if pair is not None:
+        cfg = config(dp=2, zero=3, microbatches=1, model=model)
+        topo = Topology.build(pair, cfg.parallel)
+        # a one-layer build first: the modules a build imports are not counted below
+        build_engine(config(dp=2, zero=3, model=replace(model, n_layer=1)), topo)
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        engine = build_engine(cfg, topo)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        dp = make_data_parallel(cfg, engine, topo)
+        whole = 4 * sum(p.size for p in engine.params)
+        held = peak - sum(u.grad_shard.nbytes for u in dp.units)  # ZeRO's state, 1/dp
+        serial = dict(build_model(model, cfg.train.seed).named_parameters())
+        name_of = {id(p): name for name, p in engine.named_params}
+        bad = []
+        for u in dp.units:
+            flat = np.zeros(u.padded, u.dtype)
+            for p, off in zip(u.params, u.offsets, strict=True):
+                flat[off:off + p.size] = serial[name_of[id(p)]].data.reshape(-1)
+            if flat[u.lo:u.lo + len(u.shard)].tobytes() != u.shard.tobytes():
+                bad.append(u.index)
+        verdict = (getattr(engine, "zero3_units", None) is dp.units and not bad
+                   and held < whole // 2 + 2 * piece)
+        note = (f"rank {RANK}: {held} bytes held at the build's peak, float32 model "
+                f"{whole}, largest piece {piece}; built by piece: "
+                f"{hasattr(engine, 'zero3_units')}; units not bitwise serial: {bad}")
+        topo.free()
+    assert_all(WORLD, verdict, f"ZeRO-3 build a piece at a time: {note}")

@@ -13,7 +13,9 @@ stage can run the embedding, a range of blocks, or the head on its own: they are
 
 Initialisation: one ``np.random.default_rng(seed)`` consumed in construction order;
 weights normal(0, init_std), the two residual projections of each block normal(0,
-init_std / sqrt(2 n_layer)) as in GPT-2, biases zero, LayerNorm weights one.
+init_std / sqrt(2 n_layer)) as in GPT-2, biases zero, LayerNorm weights one. The
+constructor hands each piece to ``on_piece`` as soon as it is built (ZeRO 3 shards it
+there, so the whole model is never held at once); the draws are the same either way.
 """
 
 from __future__ import annotations
@@ -254,7 +256,12 @@ class GPT(Model):
     config_keys = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff",
                    "tie_embeddings")
 
-    def __init__(self, cfg: ModelConfig, seed: int):
+    builds_by_piece = True
+
+    def __init__(self, cfg: ModelConfig, seed: int,
+                 on_piece: Callable[[Module], None] = lambda piece: None):
+        """``on_piece(piece)``: after each pipeline piece is built (embed, each block,
+        head), before the next is drawn (``protocol.Model.builds_by_piece``)."""
         rng = np.random.default_rng(seed)
         dtype = np.dtype(cfg.dtype)
         std = cfg.init_std
@@ -262,10 +269,16 @@ class GPT(Model):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.seq_len, cfg.d_model, rng=rng, dtype=dtype,
                            std=std)
-        self.blocks = [Block(cfg.d_model, cfg.n_head, cfg.ffn_dim, rng=rng, dtype=dtype,
-                             std=std, proj_std=proj_std) for _ in range(cfg.n_layer)]
+        on_piece(self.embed)
+        self.blocks = []
+        for _ in range(cfg.n_layer):
+            self.blocks.append(Block(cfg.d_model, cfg.n_head, cfg.ffn_dim, rng=rng,
+                                     dtype=dtype, std=std, proj_std=proj_std))
+            on_piece(self.blocks[-1])
+        # with tied embeddings the head holds the token Embedding, never reading its data
         self.head = Head(cfg.d_model, cfg.vocab_size, rng=rng, dtype=dtype, std=std,
                          tied=self.embed.wte if cfg.tie_embeddings else None)
+        on_piece(self.head)
 
     def forward(self, idx: np.ndarray, targets: np.ndarray) -> tuple[float, GPTCache]:
         # idx (B, T) int, targets (B, T) int -> loss, mean over B T
