@@ -1,7 +1,7 @@
 """The largest GPT that trains in a memory budget: ZeRO 0, 1, 3, 3 with full
 recomputation, and bf16 (issue 22, deliverable 5).
 
-    .venv/bin/python benchmarks/bench_largest.py                       24 GiB, 8 ranks, C 1024
+    .venv/bin/python benchmarks/bench_largest.py                       20 GiB, 8 ranks, C 1024
     .venv/bin/python benchmarks/bench_largest.py --budget-gib 3 --ranks 4 --d-model 256
 
 For each row, the largest depth (``n_layer``) at ``d_model`` C, ``n_head`` H, ``seq_len``
@@ -429,9 +429,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @click.group(invoke_without_command=True,
              context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--budget-gib", default=24.0, show_default=True,
+@click.option("--budget-gib", default=20.0, show_default=True,
               help="Memory budget of the whole job; each rank may hold budget / ranks.")
 @click.option("--ranks", default=8, show_default=True, help="MPI ranks (dp = ranks).")
 @click.option("--d-model", default=1024, show_default=True, help="Model width C.")
@@ -469,6 +480,13 @@ def main(ctx, budget_gib, ranks, d_model, n_head, seq_len, vocab, batch, steps, 
                                      param_hint="--rows")
     shape = Shape(ranks, d_model, n_head, seq_len, vocab, batch or ranks, steps)
     budget = int(budget_gib * GiB)
+    free = available_bytes()
+    if free is not None and budget > free:
+        raise click.BadParameter(
+            f"budget ({budget_gib:g} GiB) is more than this machine has available "
+            f"({free / GiB:.1f} GiB, MemAvailable in /proc/meminfo): trials up to it "
+            f"would take memory from every process here; give at most "
+            f"{int(free / GiB)}", param_hint="--budget-gib")
     per_rank = budget // ranks
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
