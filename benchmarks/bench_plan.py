@@ -4,6 +4,7 @@
     python benchmarks/bench_plan.py measure --out runs/plan         every layout, timed
     python benchmarks/bench_plan.py compare --out runs/plan --cluster FILE.toml
     python benchmarks/bench_plan.py published                       Megatron on Selene
+    python benchmarks/bench_plan.py scale                           the planner's own speed
 
     across emulated nodes (root): describe the cluster, run its layouts, compare
     sudo .venv/bin/hpctrain calibrate --emulated 2:1gbit \
@@ -32,6 +33,12 @@ one node. ``published`` prints the predictions for Megatron-LM's published runs
 on A100 nodes against their published teraFLOP/s per GPU (``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
 ``--gemm-efficiency`` replaces the description's to show how the table moves with it).
+``scale`` times the planner itself (issue targets: every layout of 4,096 ranks on a
+two-kind cluster in under 10 s on one core; the chosen plan's per-rank timeline at
+1,024 ranks in under 5 s): the enumeration of a 48-layer d_model-4096 GPT on 32 + 32
+nodes of two kinds (64 cores each), and, for the README's worked example at 1,024
+ranks, the enumeration and then the chosen layout's estimate with its pipeline
+schedule replayed, from a cold cache. Run it with one BLAS thread on an idle core.
 """
 
 from __future__ import annotations
@@ -339,10 +346,63 @@ def published(cluster_path: str | None, efficiency: float | None) -> str:
             f"for all rows: {pub.MEGATRON}\n" + pub.report(cluster))
 
 
+def two_kinds(fat: int, thin: int, cores: int = 64, memory_gib: float = 512.0):
+    """A cluster description of ``fat`` and ``thin`` nodes of two GEMM speeds (the
+    planner's scale case)."""
+    from hpctrain.plan.cluster import from_dict
+
+    link = {"latency_s": 1e-5, "bandwidth_Bps": 4e9}
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+    kinds = [{"name": name, "cores": cores, "memory_gib": memory_gib,
+              "gemm": {str(cores): [[64, 1e10 * (1 + i)], [1024, 5e10 * (1 + i)]]},
+              "stream": {str(cores): 5e9}} for i, name in enumerate(("fat", "thin"))]
+    return from_dict({"name": "two-kinds", "kinds": kinds,
+                      "nodes": [{"kind": "fat", "count": fat}, {"kind": "thin", "count": thin}],
+                      "links": {lvl: dict.fromkeys(ops, link) for lvl in ("intra", "inter")}})
+
+
+def scale() -> str:
+    from hpctrain import config
+    from hpctrain.plan import cost
+    from hpctrain.plan.cluster import load_cluster
+    from hpctrain.plan.search import enumerate_layouts, layout_name
+
+    big = config.from_dict({"model": {"kind": "gpt", "n_layer": 48, "n_head": 32,
+                                      "d_model": 4096, "seq_len": 2048, "vocab_size": 51200},
+                            "train": {"batch_size": 1024}})
+    def timed(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, time.perf_counter() - t0, time.process_time() - c0
+
+    found, enum_s, enum_cpu = timed(lambda: enumerate_layouts(big, two_kinds(32, 32), 4096))
+    example = config.load(str(ROOT / "configs/gpt-1b-plan-example.toml"))
+    cluster = load_cluster(ROOT / "configs/clusters/example-cpu-128x8.toml")
+    at1024, e1024_s, e1024_cpu = timed(lambda: enumerate_layouts(example, cluster, 1024))
+    lines = [f"load average {os.getloadavg()[0]:.2f}; one process, "
+             f"{os.environ.get('OMP_NUM_THREADS', '?')} BLAS thread(s); wall s (CPU s)",
+             f"4096 ranks, two kinds (32 + 32 nodes of 64 cores), GPT 48 x 4096: "
+             f"{found.valid} valid layouts of {found.tried}, {len(found.ranked)} fit, "
+             f"enumerated and ranked in {enum_s:.2f} s ({enum_cpu:.2f}) (target < 10 s)",
+             f"1024 ranks, {cluster.name}, {example.model.n_layer} layers d_model "
+             f"{example.model.d_model}: {at1024.valid} valid layouts, enumerated and ranked "
+             f"in {e1024_s:.2f} s ({e1024_cpu:.2f})"]
+    chosen = [("chosen", at1024.ranked[0])] + [
+        ("best pipelined", next(e for e in at1024.ranked if e.cfg.parallel.pp > 1))]
+    for what, e in chosen:
+        _, sim_s, sim_cpu = timed(lambda e=e: cost.estimate(e.cfg, cluster, replay=True,
+                                                            memo={}))
+        lines.append(f"  {what} {layout_name(e.cfg.parallel)}: per-rank timeline "
+                     f"(each pipeline rank's schedule replayed; its dp and tp peers alike; cold "
+                     f"cache) in {sim_s:.3f} s ({sim_cpu:.3f}) "
+                     f"(target < 5 s)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["measure", "compare", "stream", "worker",
-                                         "stream-worker", "published"])
+                                         "stream-worker", "published", "scale"])
     parser.add_argument("layout", nargs="?")
     parser.add_argument("--out", default="runs/plan")
     parser.add_argument("--cluster", default=None,
@@ -379,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         print((Path(args.out) / "stream.json").read_text())
     elif args.what == "published":
         print(published(args.cluster, args.gemm_efficiency))
+    elif args.what == "scale":
+        print(scale())
     elif args.what == "measure" and args.nodes:
         if os.geteuid() != 0:
             sys.exit("measure --nodes builds an emulated cluster: run it as root")
