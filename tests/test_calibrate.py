@@ -104,7 +104,9 @@ def test_a_quick_run_writes_a_description_that_reads_back(tmp_path):
     assert sorted(kind.gemm) == sorted({1, cores})
     for table in kind.gemm.values():
         assert [n for n, _ in table] == [64, 128, 256]
-        assert all(math.isfinite(r) and r > 1e8 for _, r in table)
+        # positive and finite: how fast is the machine's business (another job may
+        # hold its cores), not this test's
+        assert all(math.isfinite(r) and r > 0 for _, r in table)
     # (about 2 s: two MPI jobs, -n 1 and -n cores)
     # increasing-ish: with one BLAS thread a rank is never slower on bigger products by
     # much (multi-threaded tables are not checked: a busy core stalls them)
