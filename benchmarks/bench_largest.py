@@ -429,17 +429,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 @click.group(invoke_without_command=True,
              context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--budget-gib", default=20.0, show_default=True,
@@ -480,7 +469,9 @@ def main(ctx, budget_gib, ranks, d_model, n_head, seq_len, vocab, batch, steps, 
                                      param_hint="--rows")
     shape = Shape(ranks, d_model, n_head, seq_len, vocab, batch or ranks, steps)
     budget = int(budget_gib * GiB)
-    free = available_bytes()
+    from hpctrain.plan.calibrate import meminfo_bytes
+
+    free = meminfo_bytes("MemAvailable")
     if free is not None and budget > free:
         raise click.BadParameter(
             f"budget ({budget_gib:g} GiB) is more than this machine has available "

@@ -102,16 +102,17 @@ def launcher(pp: int, link: str | None):
     the nodes sent so far: plain ``mpiexec -n pp`` without ``link``; with it, over an
     emulated cluster of pp one-core nodes (each ``cores / pp`` of the machine) for the
     length of the ``with`` block."""
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    from hpctrain.runtime import find_mpiexec
+
+    mpiexec = find_mpiexec()
     if link is None:
         yield (lambda argv: [mpiexec, "-n", str(pp), *argv]), (lambda: 0)
         return
     from hpctrain.cluster import lifecycle, net
     from hpctrain.cluster import spec as spec_mod
 
-    share = min(1.0, (os.cpu_count() or 1) / pp)
-    spec = spec_mod.build({"name": CLUSTER, "subnet": SUBNET, "link": link,
-                           "nodes": [{"count": pp, "cores": 1, "cpu_share": share}]})
+    spec = spec_mod.uniform(pp, cores=1, cpu_share=min(1.0, (os.cpu_count() or 1) / pp),
+                            link=link, name=CLUSTER, subnet=SUBNET)
     with lifecycle.running(spec, log=lambda _: None) as cl:
         yield ((lambda argv: cl.mpiexec_command(argv, ranks_per_node=1, mpiexec=mpiexec)),
                (lambda: sum(net.link_bytes(cl.spec, n)[0] for n in cl.spec.nodes)))

@@ -372,12 +372,25 @@ def core_count() -> int:
         return os.cpu_count() or 1
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """``field`` of /proc/meminfo (MemTotal, MemAvailable, ...) in bytes; None where
+    the file or the field is missing."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * KiB
+    return None
+
+
 def memory_gib() -> float:
     """MemTotal of /proc/meminfo, in GiB."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * KiB / 2**30
-    raise click.ClickException("no MemTotal in /proc/meminfo")
+    total = meminfo_bytes("MemTotal")
+    if total is None:
+        raise click.ClickException("no MemTotal in /proc/meminfo")
+    return total / 2**30
 
 
 def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
