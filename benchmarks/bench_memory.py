@@ -2,15 +2,16 @@
 float32): activation recomputation, and the memory report against the planner.
 
     python benchmarks/bench_memory.py attention        attention's activations, in-process
-    python benchmarks/bench_memory.py recompute        full recomputation: memory and time
+    python benchmarks/bench_memory.py recompute        every recomputation mode: memory and time
     python benchmarks/bench_memory.py layouts --out runs/bench-memory   predicted vs measured
 
 ``attention``: the 6 attention layers' caches of one forward (the model's own layers,
 fed the benchmark's (8, 256, 384) activation), measured two ways: ``tracemalloc``'s
 growth while the caches are held, and each cache's arrays counted by base buffer;
-then the peak of the forward-and-backward above the inputs, with and without
-selective recomputation. ``recompute``: one training step's traced peak above the
-persistent state and the step time of none / selective / full, interleaved (the times
+then the peak of the forward-and-backward above the inputs, without recomputation,
+with selective and with attention recomputation. ``recompute``: one training step's
+traced peak above the persistent state and the step time of none / selective /
+attention / full, interleaved (the times
 move with the machine's load: the load average is printed). ``layouts``: every layout
 (``LAYOUTS``) as its own MPI job of 4 steps with ``[train] memory_report``, each rank's
 traced peak of the last step against ``plan.cost.predict_memory``, and the median step
@@ -37,16 +38,20 @@ MPIEXEC = str(ROOT / ".venv/bin/mpiexec")
 LAYOUTS = {
     "serial": (1, {}, "none"),
     "serial-selective": (1, {}, "selective"),
+    "serial-attention": (1, {}, "attention"),
     "serial-full": (1, {}, "full"),
     "dp2": (2, {"dp": 2}, "none"),
     "dp2-full": (2, {"dp": 2}, "full"),
     "tp2": (2, {"tp": 2}, "none"),
     "tp2-selective": (2, {"tp": 2}, "selective"),
+    "tp2-sp-attention": (2, {"tp": 2, "sequence_parallel": True}, "attention"),
     "pp2-mb2-1f1b": (2, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, "none"),
     "pp2-mb2-1f1b-full": (2, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, "full"),
     "pp2-mb4-gpipe": (2, {"pp": 2, "microbatches": 4, "schedule": "gpipe"}, "none"),
     "pp2-mb4-gpipe-selective": (2, {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
                                 "selective"),
+    "pp2-mb4-gpipe-attention": (2, {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
+                                "attention"),
     "dp2-z1": (2, {"dp": 2, "zero": 1}, "none"),
     "dp2-z2": (2, {"dp": 2, "zero": 2}, "none"),
     "dp2-z2-full": (2, {"dp": 2, "zero": 2}, "full"),
@@ -88,10 +93,11 @@ def attention(args) -> None:
     print("recompute | traced, caches held | counted, caches held | of which P | "
           "forward+backward peak above inputs")
     rows = {}
-    for selective in (False, True):
+    for mode in ("none", "selective", "attention"):
         layers = [blk.attn for blk in GPT(m, seed=0).blocks]
         for layer in layers:
-            layer.recompute_scores = selective
+            layer.recompute_scores = mode != "none"
+            layer.recompute_qkv = mode == "attention"
         inputs = [x.copy() for _ in layers]  # each layer reads its own input (ln1's output)
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
@@ -106,14 +112,16 @@ def attention(args) -> None:
         del caches
         peak = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
-        rows[selective] = (held, counted, p_bytes, peak)
+        rows[mode] = (held, counted, p_bytes, peak)
         mib = 2 ** 20
-        print(f"{'selective' if selective else 'none':9s} | {held / mib:.1f} | "
-              f"{counted / mib:.1f} | {p_bytes / mib:.1f} | {peak / mib:.1f}")
-    (h0, _, p0, k0), (h1, _, p1, k1) = rows[False], rows[True]
-    print(f"selective cuts the held caches {h0 / h1:.2f}x, the scores and probabilities "
-          f"(P) from {p0 / 2**20:.1f} MiB to {p1 / 2**20:.1f} MiB, the forward+backward "
-          f"peak {k0 / k1:.2f}x")
+        print(f"{mode:9s} | {held / mib:.1f} | {counted / mib:.1f} | {p_bytes / mib:.1f} | "
+              f"{peak / mib:.1f}")
+    h0, c0, _, k0 = rows["none"]
+    for mode in ("selective", "attention"):
+        h1, c1, _, k1 = rows[mode]
+        print(f"{mode} cuts the held caches from {h0 / 2**20:.1f} to {h1 / 2**20:.1f} MiB, "
+              f"{c0 / c1:.2f}x counting each layer's "
+              f"input, the forward+backward peak {k0 / k1:.2f}x")
 
 
 def _cache_arrays(cache):
@@ -134,16 +142,18 @@ def recompute(args) -> None:
     import numpy as np
 
     import hpctrain  # noqa: F401
+    from hpctrain import runtime
     from hpctrain.models.gpt import GPT
     from hpctrain.parallel import recompute as rc
 
+    runtime.keep_freed_memory()  # as training does: steps reuse the heap, not fresh pages
     cfg = bench_config()
     m, b = cfg.model, cfg.train.batch_size
     rng = np.random.default_rng(0)
     x = rng.integers(0, m.vocab_size, (b, m.seq_len))
     y = rng.integers(0, m.vocab_size, (b, m.seq_len))
     models = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "attention", "full"):
         models[mode] = GPT(m, seed=0)
         rc.apply(models[mode], mode)
     print(f"load average before: {load()}")

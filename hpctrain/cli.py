@@ -155,10 +155,10 @@ def _int_list(value: str, name: str) -> list[int]:
 @click.option("--stall-timeout", type=float, metavar="SECONDS",
               help="Abort the job, naming the late ranks and what the others wait in, when a "
                    "step takes longer than this (0: never; default 300).")
-@click.option("--recompute", type=click.Choice(["none", "full", "selective"]),
+@click.option("--recompute", type=click.Choice(["none", "full", "selective", "attention"]),
               help="Activation recomputation: keep each piece's input and run its forward "
-                   "again in backward (full), or recompute attention's probabilities only "
-                   "(selective).")
+                   "again in backward (full), recompute attention's probabilities only "
+                   "(selective), or those and q, k, v from qkv's input (attention).")
 @click.option("--recompute-pieces", metavar="NAMES",
               callback=lambda ctx, param, value: None if value is None
               else tuple(v.strip() for v in value.split(",") if v.strip()),

@@ -218,8 +218,9 @@ class TrainConfig:
     # h5py built with MPI), "auto" (mpio when h5py has MPI and the job several ranks)
     checkpoint_io: str = "auto"
     # activation recomputation (hpctrain.parallel.recompute): "none", "full" (keep each
-    # piece's input, run its forward again in backward) or "selective" (attention's
-    # probabilities only); of the pipeline pieces named ("first", "middle.K", "middle",
+    # piece's input, run its forward again in backward), "selective" (attention's
+    # probabilities and their weighted sum) or "attention" (selective, and q, k, v from
+    # qkv's input); of the pipeline pieces named ("first", "middle.K", "middle",
     # "last"), or every middle piece when empty
     recompute: str = "none"
     recompute_pieces: tuple[str, ...] = ()
@@ -502,7 +503,8 @@ def _check_recompute(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> Non
     _require_choice("recompute", t.recompute, recompute.MODES)
     if t.recompute == "none":
         _require(not t.recompute_pieces, f"recompute_pieces ({list(t.recompute_pieces)}) "
-                                          f"needs recompute \"full\" or \"selective\"")
+                                          f"needs recompute \"full\", \"selective\" or "
+                                          f"\"attention\"")
         return
     cls = model_class(m.kind)
     costs = cls.piece_costs(m)

@@ -1,4 +1,4 @@
-"""Activation recomputation (``hpctrain.parallel.recompute``): full and selective give
+"""Activation recomputation (``hpctrain.parallel.recompute``): full, selective and attention give
 gradients bitwise equal to keeping every cache, in float32 and float64, through the
 model's backward, the local engine's overlapped-all-reduce hook and the pipeline
 chunks; they keep what they say; bad names are ConfigErrors before any collective."""
@@ -44,6 +44,7 @@ def step(model, x, y):
 @pytest.mark.parametrize("mode, names", [
     ("full", ()), ("full", ("first", "middle.1", "last")), ("full", ("middle",)),
     ("selective", ()), ("selective", ("middle.0",)),
+    ("attention", ()), ("attention", ("middle.1",)),
 ])
 @pytest.mark.parametrize("tie", [False, True])
 def test_gradients_are_bitwise_those_without_recomputation(dtype, mode, names, tie):
@@ -60,9 +61,10 @@ def test_gradients_are_bitwise_those_without_recomputation(dtype, mode, names, t
 
 def test_full_keeps_the_input_only_and_selective_all_but_the_attention_core():
     x, y = batch()
-    full, sel = GPT(MODEL, seed=0), GPT(MODEL, seed=0)
+    full, sel, att = GPT(MODEL, seed=0), GPT(MODEL, seed=0), GPT(MODEL, seed=0)
     recompute.apply(full, "full")
     recompute.apply(sel, "selective")
+    recompute.apply(att, "attention")
     _, cache = full.forward(x, y)
     for k, kept in enumerate(cache.blocks):
         assert isinstance(kept, recompute.Kept) and kept.args == ()
@@ -73,6 +75,9 @@ def test_full_keeps_the_input_only_and_selective_all_but_the_attention_core():
     _, cache = sel.forward(x, y)
     assert all(c.attn.p is None and c.attn.proj is None for c in cache.blocks)
     assert all(c.attn.q is not None for c in cache.blocks)
+    _, cache = att.forward(x, y)  # attention: the layer's input only (qkv's cache)
+    assert all(c.attn[1:] == (None,) * 5 for c in cache.blocks)
+    assert all(c.attn.qkv.x.shape == (4, 16, MODEL.d_model) for c in cache.blocks)
     plain_cache = GPT(MODEL, seed=0).forward(x, y)[1]
     assert plain_cache.blocks[0].attn.p.shape == (4, MODEL.n_head, 16, 16)
 
@@ -81,7 +86,7 @@ def test_the_local_engine_hook_reports_the_same_pieces_with_the_same_gradients()
     """The data-parallel overlap: after_piece passes through the recomputed blocks."""
     x, y = batch(b=8)
     out = {}
-    for mode in ("none", "full", "selective"):
+    for mode in ("none", "full", "selective", "attention"):
         engine = LocalEngine(GPT(MODEL, seed=1), microbatches=2)
         recompute.apply(engine.model, mode)
         seen = []
@@ -89,7 +94,7 @@ def test_the_local_engine_hook_reports_the_same_pieces_with_the_same_gradients()
             [p.grad.copy() for p in params])
         loss = engine.forward_backward(x, y)
         out[mode] = (loss, seen, grads(engine.model))
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "attention"):
         assert out[mode][0] == out["none"][0]
         assert len(out[mode][1]) == len(out["none"][1]) == 2 + 2 * MODEL.n_layer
         for a, b in zip(out[mode][1], out["none"][1], strict=True):
@@ -97,7 +102,7 @@ def test_the_local_engine_hook_reports_the_same_pieces_with_the_same_gradients()
         assert_bitwise(out[mode][2], out["none"][2])
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "attention"])
 def test_pipeline_chunks_run_recomputed_pieces_bitwise(mode):
     """The chunks a pipeline stage runs (ModelChunk) call the pieces' own methods."""
     x, y = batch()
@@ -176,6 +181,12 @@ def test_the_planner_counts_what_recomputation_keeps_and_makes_again():
     assert mem.kept_block_bytes(MODEL, b, 1, False, "none") - \
         mem.kept_block_bytes(MODEL, b, 1, False, "selective") == p_bytes + y_bytes
     assert mem.recompute_bytes(MODEL, b, 1, False, "selective") == p_bytes + y_bytes
+    qkv_bytes = s * b * MODEL.seq_len * 3 * MODEL.d_model
+    assert cache.blocks[0].attn.q.base.nbytes == qkv_bytes  # q, k, v: views of one array
+    assert mem.kept_block_bytes(MODEL, b, 1, False, "none") - \
+        mem.kept_block_bytes(MODEL, b, 1, False, "attention") == p_bytes + y_bytes + qkv_bytes
+    assert mem.recompute_bytes(MODEL, b, 1, False, "attention") == \
+        p_bytes + y_bytes + qkv_bytes
     assert mem.recompute_bytes(MODEL, b, 1, False, "full") == \
         mem.block_activation_bytes(MODEL, b, 1, False)
     boundary = mem.boundary_bytes(MODEL, b, 1, False)
@@ -222,3 +233,24 @@ def test_selective_cuts_attention_activations_to_q_k_v(d_model, n_head):
     assert all0 / all1 == pytest.approx((5 + T / D) / 4)
     if D <= 32:
         assert core0 / core1 >= 3 and all0 / all1 >= 3
+
+
+@pytest.mark.parametrize("d_model, n_head", [(256, 8), (384, 6), (1024, 16)])
+def test_attention_recomputation_cuts_attention_activations_past_3x(d_model, n_head):
+    """Attention recomputation keeps only the sub-layer's input x (C a token, which
+    qkv's weight gradient reads in every mode); without recomputation the sub-layer
+    keeps x, q, k, v, P and y: (5 C + H T) / C = 5 + T / D, 9x at T = 256 and head
+    size D = 64 (the benchmark GPT's and bench_largest's), 13x at D = 32. Gradients
+    stay bitwise (test_gradients_are_bitwise_those_without_recomputation)."""
+    b, T = 1, 256
+    x = np.random.default_rng(0).standard_normal((b, T, d_model)).astype(np.float32)
+    kept = {}
+    for mode in ("none", "attention"):
+        layer = CausalSelfAttention(d_model, n_head, rng=np.random.default_rng(1))
+        layer.recompute_scores = layer.recompute_qkv = mode == "attention"
+        kept[mode] = attention_kept_bytes(layer, x)
+    (_, all0), (core1, all1) = kept["none"], kept["attention"]
+    C, D = d_model, d_model // n_head
+    assert core1 == 0 and all1 == 4 * b * T * C  # the layer's input only
+    assert all0 / all1 == pytest.approx(5 + T / D)
+    assert all0 / all1 >= 3

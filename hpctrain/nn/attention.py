@@ -26,9 +26,9 @@ from hpctrain.nn.threads import products_over_rows
 
 class AttentionCache(NamedTuple):
     qkv: LinearCache
-    q: np.ndarray  # (B, H, T, D), already scaled by 1/sqrt(D); views into the qkv output
-    k: np.ndarray  # (B, H, T, D)
-    v: np.ndarray  # (B, H, T, D)
+    q: np.ndarray | None  # (B, H, T, D), already scaled by 1/sqrt(D); views into the
+    k: np.ndarray | None  # qkv output (B, H, T, D); None: recomputed from qkv's input
+    v: np.ndarray | None  # (B, H, T, D)
     p: np.ndarray | None  # (B, H, T, T) attention probabilities; None: recomputed
     proj: LinearCache | None  # proj's input y (B, T, H D); None: recomputed as P v
 
@@ -49,9 +49,17 @@ class CausalSelfAttention(Module):
     are bitwise those of the kept arrays. Per token and layer that keeps ``C + 3 C``
     elements instead of ``C + 3 C + H T + C``, for one ``q k^T``, one softmax and one
     ``P v`` again.
+
+    ``recompute_qkv`` (attention recomputation) drops q, k and v too: the cache keeps
+    only the layer's input x, which qkv's weight gradient reads anyway, and backward
+    runs qkv's local product again (``Linear.again``: no communication, the input a
+    tensor-parallel qkv cached is the gathered one) before the core. Per token and
+    layer nothing is kept beyond x, for one more ``x Wqkv`` product (3 C^2
+    multiply-adds a token: about 8% of a block's forward and backward at T = 256).
     """
 
-    recompute_scores = False  # a class default; set per instance
+    recompute_scores = False  # class defaults; set per instance
+    recompute_qkv = False  # (implies recompute_scores)
 
     def __init__(self, d_model: int, n_head: int, *, rng: np.random.Generator,
                  dtype=np.float32, std: float = 0.02, proj_std: float | None = None):
@@ -79,6 +87,8 @@ class CausalSelfAttention(Module):
         products_over_rows(lambda *blocks: _attend(*blocks, mask, scale),
                            q, k, v, p, y.transpose(0, 2, 1, 3))
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
+        if self.recompute_qkv:  # attention: q, k, v, P and y are made again in backward
+            return out, AttentionCache(qkv_cache, None, None, None, None, None)
         if self.recompute_scores:  # selective: P and y are made again in backward
             return out, AttentionCache(qkv_cache, q, k, v, None, None)
         return out, AttentionCache(qkv_cache, q, k, v, p, proj_cache)
@@ -88,12 +98,17 @@ class CausalSelfAttention(Module):
         B, T, _ = dout.shape
         H, D = self.n_head, self.head_dim
         q, k, v, p, proj_cache = cache.q, cache.k, cache.v, cache.p, cache.proj
-        if p is None:  # selective recomputation: P and y again, exactly as forward made them
+        if p is None:  # recomputation: P and y again, exactly as forward made them
+            again = q is None  # attention recomputation: q, k and v too, unscaled
+            if again:
+                qkv = self.qkv.again(cache.qkv)  # (B, T, 3 H D)
+                q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
             p = np.empty((B, H, T, T), dtype=q.dtype)
             y = np.empty((B, T, H, D), dtype=q.dtype)
-            mask = _future_mask(T)
-            products_over_rows(lambda *blocks: _attend_again(*blocks, mask),
-                               q, k, v, p, y.transpose(0, 2, 1, 3))
+            mask, scale = _future_mask(T), 1.0 / math.sqrt(D)
+            attend = ((lambda *blocks: _attend(*blocks, mask, scale)) if again
+                      else (lambda *blocks: _attend_again(*blocks, mask)))
+            products_over_rows(attend, q, k, v, p, y.transpose(0, 2, 1, 3))
             proj_cache = LinearCache(y.reshape(B, T, H * D))  # what proj.forward kept
         dy = self.proj.backward(dout, proj_cache)  # (B, T, H D)
         dy = dy.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B, H, T, D)

@@ -66,6 +66,12 @@ class Linear(Module):
             y += self.bias.data
         return y.reshape(*x.shape[:-1], y.shape[-1]), LinearCache(x)
 
+    def again(self, cache: LinearCache) -> np.ndarray:
+        """The output forward made from the input it cached, bit for bit: the local
+        product only (a tensor-parallel layer caches its input after the collective
+        that entered it, and its exit's collective is not run again)."""
+        return Linear.forward(self, cache.x)[0]
+
     def backward(self, dy: np.ndarray, cache: LinearCache,
                  need_dx: bool = True) -> np.ndarray | None:
         # dy (..., out) -> dx (..., in), or None with need_dx=False (a network's first

@@ -13,11 +13,16 @@
                  weighted sum y = P v (B, T, C) again in backward (Megatron's
                  selective recomputation, arXiv 2205.05198): the large and cheap
                  part, one q k^T product, one softmax and one P v a layer
+    "attention"  selective, and q, k, v dropped too: each attention layer keeps only
+                 its input (which qkv's weight gradient reads anyway) and runs its
+                 qkv product again in backward before the core. Keeps nothing of
+                 attention but what its first Linear needs, for one x Wqkv product
+                 more a layer (3 C^2 multiply-adds a token)
 
 Pieces are named by their place in the pipeline: ``"first"`` (the GPT's embedding),
 ``"middle.K"`` (block K), ``"last"`` (the head); ``"middle"`` is every middle piece.
 
-Both are applied to the model's pieces in place (``apply``), after tensor parallelism
+Each is applied to the model's pieces in place (``apply``), after tensor parallelism
 has swapped its layers in and before an engine cuts the model into stages, so every
 engine and schedule runs them: the local engine through ``model.forward`` and
 ``model.backward`` (whose ``after_piece`` hook, the overlapped all-reduce, passes
@@ -38,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "attention")
 
 
 class Kept(NamedTuple):
@@ -108,9 +113,9 @@ def apply(model: Any, mode: str, names: tuple[str, ...] = ()) -> list[str]:
         if mode == "full":
             recompute_full(piece)
         else:
-            attention += recompute_scores(piece)
-    if mode == "selective" and not attention:
-        raise ValueError(f"recompute (\"selective\") recomputes attention, but pieces "
+            attention += recompute_scores(piece, qkv=mode == "attention")
+    if mode != "full" and not attention:
+        raise ValueError(f"recompute ({mode!r}) recomputes attention, but pieces "
                          f"{chosen} of the {model.name} hold no attention layer")
     return chosen
 
@@ -137,15 +142,16 @@ def recompute_full(piece: Any) -> None:
     piece.backward = backward_recomputing
 
 
-def recompute_scores(piece: Any) -> int:
+def recompute_scores(piece: Any, qkv: bool = False) -> int:
     """Every attention layer of ``piece`` drops and recomputes its probabilities and
-    their weighted sum (``CausalSelfAttention.recompute_scores``); return how many
-    there are."""
+    their weighted sum (``CausalSelfAttention.recompute_scores``), and with ``qkv`` its
+    q, k and v too (``recompute_qkv``); return how many there are."""
     from hpctrain.nn import CausalSelfAttention
 
     layers = [m for m in _modules(piece) if isinstance(m, CausalSelfAttention)]
     for layer in layers:
         layer.recompute_scores = True
+        layer.recompute_qkv = qkv
     return len(layers)
 
 

@@ -40,7 +40,8 @@ whole comparison (the default is hpctrain's own engine): the element size of
 activations, gradients and messages (bf16: 2); mixed precision (fp32 master weights
 and optimizer state); activation recomputation (``full``: each block's forward again
 before its backward, keeping only its input; ``selective``: the attention scores,
-softmax and weighted sum only, both per-head products again); whether the
+softmax and weighted sum only, both per-head products again; ``attention``: those
+and the qkv product); whether the
 data-parallel reduction overlaps the backward; the element-wise kernels (hpctrain's
 NumPy passes, or fused GPU kernels as Megatron's); pipeline messages split over the
 tensor group's links and all-gathered in the node. The memory of a config whose
@@ -63,7 +64,7 @@ from hpctrain.plan.cluster import from_dict as cluster_from_dict
 GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
 GRAD_PASSES = 3  # norm (read), clip (read, write)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "attention", "full")
 KERNELS = ("numpy", "fused")
 
 
@@ -74,7 +75,7 @@ class Practice:
 
     element_bytes: int | None = None  # activations, gradients, messages; None: the dtype's
     master_bytes: int = 0  # mixed precision: master weights and optimizer state (fp32: 4)
-    recompute: str = "none"  # "none", "selective" or "full"
+    recompute: str = "none"  # "none", "selective", "attention" or "full"
     dp_overlap: bool = True  # gradient buckets reduced during the last backward
     kernels: str = "numpy"  # element-wise passes: hpctrain's NumPy, or "fused" GPU kernels
     p2p_scatter_gather: bool = False  # stage messages split over the tp ranks' links
@@ -320,9 +321,12 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         blk_f = cached(block_forward_s, slow, rpn, b, tp)
         f_bytes, b_bytes, score_bytes = block_stream_bytes(m, b, tp, sp, kernels, s)
         # recomputation: what a block's backward does again of its forward
-        again = {"none": 0.0, "full": blk_f,
-                 "selective": cached(attention_forward_s, slow, rpn, b, tp)}[rc]
-        again_bytes = {"none": 0.0, "full": f_bytes, "selective": score_bytes}[rc]
+        core = cached(attention_forward_s, slow, rpn, b, tp) if rc != "none" else 0.0
+        again = {"none": 0.0, "full": blk_f, "selective": core,
+                 "attention": core + _gemm(slow, rpn, n_tokens, 3 * m.d_model // tp,
+                                           m.d_model)}[rc]
+        again_bytes = {"none": 0.0, "full": f_bytes, "selective": score_bytes,
+                       "attention": score_bytes}[rc]
         tp_op = tp_collective_s(cluster, tp, s * n_tokens * m.d_model, sp, tp_inter)
         times = {}
         chunks = [c * pp + r for c in range(v)]

@@ -166,13 +166,21 @@ def kept_block_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
     """What one block keeps per microbatch until its backward: its whole cache, or
     with ``recompute = "full"`` its input only, with ``"selective"`` all but the
     attention probabilities and their weighted sum (recomputed from q, k and v in
-    backward)."""
+    backward), with ``"attention"`` all but those and q, k, v (recomputed from qkv's
+    input)."""
     if recompute == "full":
         return boundary_bytes(m, b, tp, sp, s)
     whole = block_activation_bytes(m, b, tp, sp, s)
-    if recompute == "selective":
+    if recompute in ("selective", "attention"):
         whole -= attention_core_bytes(m, b, tp, s)
+    if recompute == "attention":
+        whole -= qkv_output_bytes(m, b, tp, s)
     return whole
+
+
+def qkv_output_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None) -> int:
+    """q, k and v (b, T, 3 C/t): what attention recomputation drops beyond selective's."""
+    return (s or itemsize(m)) * b * m.seq_len * 3 * m.d_model // tp
 
 
 def attention_core_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None) -> int:
@@ -205,11 +213,14 @@ def recompute_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
                     s: int | None = None) -> int:
     """What a recomputed block's backward holds again beyond the workspace
     (``parallel/recompute.py``): its whole cache (full), or its attention
-    probabilities P (b, H/t, T, T) and their weighted sum (b, T, C/t) (selective)."""
+    probabilities P (b, H/t, T, T) and their weighted sum (b, T, C/t) (selective),
+    and q, k, v (b, T, 3 C/t) (attention)."""
     if recompute == "full":
         return block_activation_bytes(m, b, tp, sp, s)
     if recompute == "selective":
         return attention_core_bytes(m, b, tp, s)
+    if recompute == "attention":
+        return attention_core_bytes(m, b, tp, s) + qkv_output_bytes(m, b, tp, s)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Activation recomputation under MPI: at pp = 2 (GPipe, 1F1B, interleaved) and tp = 2
 (with and without sequence parallelism), with data parallelism over the other ranks
-and its overlapped all-reduce, full and selective recomputation give the gradients,
+and its overlapped all-reduce, full, selective and attention recomputation give the gradients,
 and the loss curve, of the same layout without recomputation, bit for bit."""
 
 from dataclasses import replace
@@ -16,7 +16,8 @@ from hpctrain.testing import assert_all, copy_task_batches, train_losses
 ROWS, V, T = 4, 32, 8  # ROWS: sequences per data-parallel rank and step
 MODEL = ModelConfig(dtype="float64", vocab_size=V, seq_len=T, n_layer=4, n_head=2,
                     d_model=16)
-MODES = [("full", ()), ("selective", ()), ("full", ("first", "middle.0", "last"))]
+MODES = [("full", ()), ("selective", ()), ("attention", ()),
+         ("full", ("first", "middle.0", "last"))]
 
 
 def layouts(n):
