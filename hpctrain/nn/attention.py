@@ -124,34 +124,58 @@ def _attend(q, k, v, p, y, mask, scale) -> None:
     # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
     # written in place; q is scaled in place (the cache keeps it scaled)
     q *= scale
-    _scores(q, k, p, mask)
-    np.matmul(p, v, out=y)
+    _attend_again(q, k, v, p, y, mask)
 
 
 def _attend_again(q, k, v, p, y, mask) -> None:
     # a block of the batch: _attend without the scaling (the cached q is scaled already)
     _scores(q, k, p, mask)
-    np.matmul(p, v, out=y)
+    for i0, i1 in _query_blocks(q.shape[-2]):  # y_i = sum_{j <= i} P_ij v_j
+        np.matmul(p[..., i0:i1, :i1], v[..., :i1, :], out=y[..., i0:i1, :])
 
 
 def _scores(q, k, p, mask) -> None:
     # a block of the batch: q (already scaled), k (b, H, T, D) -> p (b, H, T, T) in place;
-    # forward and selective recomputation both run this, so P is the same bits
-    np.matmul(q, k.swapaxes(-1, -2), out=p)
+    # forward and selective recomputation both run this, so P is the same bits. Only
+    # the blocks on and below the diagonal are products; the softmax zeroes the rest.
+    kt = k.swapaxes(-1, -2)
+    for i0, i1 in _query_blocks(q.shape[-2]):
+        np.matmul(q[..., i0:i1, :], kt[..., :i1], out=p[..., i0:i1, :i1])
     _causal_softmax(p, mask)
 
 
 def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:
-    # a block of the batch: dy (b, H, T, D) -> dq, dk, dv, written in place
-    np.matmul(p.swapaxes(-1, -2), dy, out=dv)
-    ds = dy @ v.swapaxes(-1, -2)  # (b, H, T, T), dP
-    _softmax_backward(ds, p)
-    np.matmul(ds, k, out=dq)
+    # a block of the batch: dy (b, H, T, D) -> dq, dk, dv, written in place. P is 0 above
+    # the diagonal, so each product runs over the blocks on and below it only: query
+    # block i reads keys :i1, key block j is read by queries j0: (_query_blocks).
+    T = q.shape[-2]
+    pt = p.swapaxes(-1, -2)
+    for j0, j1 in _query_blocks(T):  # dv_j = sum_{i >= j} P_ij dy_i
+        np.matmul(pt[..., j0:j1, j0:], dy[..., j0:, :], out=dv[..., j0:j1, :])
+    ds = np.empty_like(p)  # dP, then dS; only the blocks on and below the diagonal are set
+    vt = v.swapaxes(-1, -2)
+    for i0, i1 in _query_blocks(T):
+        rows, prob = ds[..., i0:i1, :i1], p[..., i0:i1, :i1]
+        np.matmul(dy[..., i0:i1, :], vt[..., :i1], out=rows)  # dP = dy v^T
+        _softmax_backward(rows, prob)
+        np.matmul(rows, k[..., :i1, :], out=dq[..., i0:i1, :])
     dq *= scale
-    np.matmul(ds.swapaxes(-1, -2), q, out=dk)  # q was cached already scaled
+    dst = ds.swapaxes(-1, -2)
+    for j0, j1 in _query_blocks(T):  # dk_j = sum_{i >= j} dS_ij q_i (q cached scaled)
+        np.matmul(dst[..., j0:j1, j0:], q[..., j0:, :], out=dk[..., j0:j1, :])
+
+
+ATTENTION_BLOCK = 64  # query (and key) rows per block of attention's products
+
+
+def _query_blocks(T: int) -> list[tuple[int, int]]:
+    """[(i0, i1)]: the blocks of ``ATTENTION_BLOCK`` rows that cover 0..T."""
+    return [(i0, min(i0 + ATTENTION_BLOCK, T)) for i0 in range(0, T, ATTENTION_BLOCK)]
 
 
 SOFTMAX_BLOCK = 32  # query rows per block: column blocks right of it are all masked
+# the softmax of a block of rows reads the columns its attention block computed
+assert ATTENTION_BLOCK % SOFTMAX_BLOCK == 0
 
 
 def _causal_softmax(s: np.ndarray, mask: np.ndarray) -> None:
@@ -170,8 +194,8 @@ def _causal_softmax(s: np.ndarray, mask: np.ndarray) -> None:
 
 
 def _softmax_backward(ds: np.ndarray, p: np.ndarray) -> None:
-    # ds (..., T, T) holds dP; becomes dS = P * (dP - rowsum(dP * P)), in place. Whole
-    # rows: blocks as in the forward measured slower here (einsum over strided views).
+    # ds (..., rows, cols) holds dP; becomes dS = P * (dP - rowsum(dP * P)), in place
+    # (a block of query rows and the columns they see)
     ds -= np.einsum("...ij,...ij->...i", ds, p)[..., None]
     ds *= p  # masked entries have p == 0, so they get no gradient
 

@@ -160,18 +160,35 @@ def _gemm(kind: NodeKind, rpn: int, m: int, n: int, k: int, count: int = 1) -> f
     return count * 2.0 * m * n * k / kind.gemm_rate(rpn, m, n, k)
 
 
-def attention_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
-    """GEMM seconds of one block's per-head ``T x T`` products (S = q k^T, P v)."""
-    return _gemm(kind, rpn, m.seq_len, m.seq_len, m.head_dim, 2 * b * m.n_head // tp)
+def attention_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int,
+                        causal: bool = True) -> float:
+    """GEMM seconds of one block's per-head products (S = q k^T, P v): with ``causal``
+    as ``nn/attention.py`` runs them, by blocks of query rows each over the keys it
+    sees; else whole ``T x T`` (Megatron's kernels)."""
+    from hpctrain.nn.attention import _query_blocks
+
+    count = 2 * b * m.n_head // tp
+    if not causal:
+        return _gemm(kind, rpn, m.seq_len, m.seq_len, m.head_dim, count)
+    return sum(_gemm(kind, rpn, i1 - i0, i1, m.head_dim, count)
+               for i0, i1 in _query_blocks(m.seq_len))
 
 
-def block_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
+def causal_fraction(t: int) -> float:
+    """The share of a T x T score matrix that attention's blocks compute."""
+    from hpctrain.nn.attention import _query_blocks
+
+    return sum((i1 - i0) * i1 for i0, i1 in _query_blocks(t)) / (t * t)
+
+
+def block_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int,
+                    causal: bool = True) -> float:
     """GEMM seconds of one block's forward over b sequences on a tp shard."""
     c, f, t = m.d_model, m.ffn_dim, m.seq_len
     n = b * t
     return (_gemm(kind, rpn, n, 3 * c // tp, c) + _gemm(kind, rpn, n, c, c // tp)
             + _gemm(kind, rpn, n, f // tp, c) + _gemm(kind, rpn, n, c, f // tp)
-            + attention_forward_s(m, kind, rpn, b, tp))
+            + attention_forward_s(m, kind, rpn, b, tp, causal))
 
 
 def head_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) -> float:
@@ -185,7 +202,8 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str =
 
     numpy (hpctrain's kernels): LayerNorm 10 and 18 passes of (N, C), residual adds 3,
     GELU 19 and 20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and its
-    backward 7 of the whole, bias gradients and q's scaling.
+    backward 7 of the blocks attention computes (``causal_fraction``), bias gradients
+    and q's scaling.
     fused (Megatron's GPU kernels, one read and one write each): LayerNorm 2 and 3 of
     (N, C) twice, bias-dropout-add 3.5 and 2.5 twice (the mask a byte), bias-GELU 2
     and 3 of (N, F/t), scale-mask-softmax 2 and 3 of (b, H/t, T, T) and its dropout
@@ -204,7 +222,8 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str =
         return s * fwd, s * bwd, s * 4.5 * scores
     fwd = 2 * 10 * rows * c + 2 * 3 * rows * c + 19 * n * f // tp + 2.5 * scores \
         + 2 * n * c // tp
-    bwd = 2 * 18 * rows * c + 2 * 3 * rows * c + 20 * n * f // tp + 7 * scores \
+    bwd = 2 * 18 * rows * c + 2 * 3 * rows * c + 20 * n * f // tp \
+        + 7 * scores * causal_fraction(t) \
         + n * (4 * c // tp + 2 * c + f // tp) + 2 * n * c // tp
     return s * fwd, s * bwd, s * 2.5 * scores
 
@@ -318,10 +337,11 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         small = min(k.memory_bytes for k in kinds)
         stream = min((k.stream_rate(rpn) or 0.0) for k in kinds)
         stream_missing |= stream == 0.0
-        blk_f = cached(block_forward_s, slow, rpn, b, tp)
+        causal = kernels == "numpy"  # hpctrain's attention skips the masked blocks
+        blk_f = cached(block_forward_s, slow, rpn, b, tp, causal)
         f_bytes, b_bytes, score_bytes = block_stream_bytes(m, b, tp, sp, kernels, s)
         # recomputation: what a block's backward does again of its forward
-        core = cached(attention_forward_s, slow, rpn, b, tp) if rc != "none" else 0.0
+        core = cached(attention_forward_s, slow, rpn, b, tp, causal) if rc != "none" else 0.0
         again = {"none": 0.0, "full": blk_f, "selective": core,
                  "attention": core + _gemm(slow, rpn, n_tokens, 3 * m.d_model // tp,
                                            m.d_model)}[rc]
