@@ -223,8 +223,12 @@ def measure_on_nodes(out: str, steps: int, warmup: int, names: list[str], nodes:
     up for the run and removed after it, pass or fail (root)."""
     from hpctrain.cluster import lifecycle
     from hpctrain.cluster import spec as spec_mod
+    from hpctrain.plan import calibrate, emulated
 
-    spec = spec_mod.uniform(nodes, cores=1, link=link, name=CLUSTER_NAME, subnet=SUBNET)
+    # capped at their share as the calibration's nodes (emulated.node_share)
+    share = emulated.node_share(nodes, calibrate.core_count())
+    spec = spec_mod.uniform(nodes, cores=1, cpu_share=share, link=link, name=CLUSTER_NAME,
+                            subnet=SUBNET)
     with lifecycle.running(spec, log=lambda text: print(text, file=sys.stderr)) as cl:
         measure(out, steps, warmup, names, cl)
 

@@ -60,10 +60,10 @@ def test_traffic_that_missed_the_link_is_an_error():
         emulated.check_on_link([(2, 1e6, 1_040_000), (4, 2e6, 1_000_000)])
 
 
-def one_core_nodes(nodes, inter_bandwidth=1.0, intra_bandwidth=1e12):
+def one_core_nodes(nodes, inter_bandwidth=1.0, intra_bandwidth=1e12, **extra):
     """``nodes`` one-core nodes: the inter link 1 B/s, no latency (times are bytes)."""
     kind = {"name": "node", "cores": 1, "memory_gib": 4.0,
-            "gemm": {"1": [[64, 1e10], [2048, 5e10]]}, "stream": {"1": 5e9}}
+            "gemm": {"1": [[64, 1e10], [2048, 5e10]]}, "stream": {"1": 5e9}, **extra}
     ops = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
     links = {lvl: dict.fromkeys(ops, {"latency_s": 0.0, "bandwidth_Bps": bw})
              for lvl, bw in (("intra", intra_bandwidth), ("inter", inter_bandwidth))}
@@ -103,3 +103,32 @@ def test_the_search_runs_on_one_core_nodes_one_rank_each():
     assert world == 4
     found = enumerate_layouts(cfg, c, world)
     assert found.ranked and all(e.ranks_per_node == 1 for e in found.ranked)
+
+
+def test_the_share_of_a_sum_hidden_under_compute_is_described_and_priced():
+    """comm_overlap: read, TOML round-trips it, and the cost model uses it: exposed =
+    reduction - overlap * window, so 0 exposes the whole sum and a share in between
+    exposes that share of the hidden part again."""
+    from dataclasses import replace
+
+    c, _ = emulated.describe(measured())
+    assert c.kinds["node"].comm_overlap == 1.0  # the default: all it can
+    c = replace(c, kinds={"node": replace(c.kinds["node"], comm_overlap=0.25)})
+    back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c)))
+    assert back.kinds["node"].comm_overlap == 0.25
+
+    cfg = make(2, dp=2, bucket_mb=0.001)  # tiny buckets: the window is the last backward
+    fast = one_core_nodes(2, inter_bandwidth=1e5)
+    dp = {share: cost.estimate(cfg, one_core_nodes(2, inter_bandwidth=1e5,
+                                                   comm_overlap=share)).ranks[0].time["dp"]
+          for share in (0.0, 0.5, 1.0)}
+    whole = cost.estimate(cfg, fast, practice=cost.Practice(dp_overlap=False)).ranks[0]
+    assert dp[0.0] == pytest.approx(whole.time["dp"]) and dp[0.0] > dp[0.5] > dp[1.0]
+    assert dp[1.0] == pytest.approx(cost.estimate(cfg, fast).ranks[0].time["dp"])
+    assert dp[0.0] - dp[0.5] == pytest.approx(dp[0.5] - dp[1.0])  # linear in the share
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, "all", True])
+def test_a_bad_overlap_share_is_named(share):
+    with pytest.raises(cl.ClusterError, match=r"comm_overlap .* must be a number from 0 to 1"):
+        one_core_nodes(2, comm_overlap=share)

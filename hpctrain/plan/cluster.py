@@ -17,6 +17,11 @@ cluster; ``configs/clusters/`` holds examples)::
     # optional: a rank's rate of memory-bound element-wise work (bytes read + written a
     # second), per ranks-per-node count, for the non-GEMM part of a step
     stream = { 1 = 8.0e9, 2 = 5.0e9 }
+    # optional: the share of a data-parallel sum's time that runs hidden under the
+    # backward's compute (1, the default: all it can; 0: none, the sum's progress and
+    # its TCP work take the cores the backward computes on). Not calibrated: read it
+    # from a data-parallel step's breakdown (hpctrain bench: compute and exposed dp)
+    comm_overlap = 1.0
 
     # instead of a gemm table, a device's published peak and the share of it its GEMMs
     # reach (a roofline: a product is also bound by moving its operands, gemm_bytes an
@@ -131,6 +136,7 @@ class NodeKind:
     peak_flops: float | None = None  # a device's published peak (the roofline form)
     gemm_efficiency: float | None = None  # the share of it large products reach
     gemm_bytes: int = 2  # bytes an operand element, for the roofline's memory bound
+    comm_overlap: float = 1.0  # share of a data-parallel sum hidden under compute
 
     def peak_rate(self, ranks_per_node: int) -> float:
         """A rank's best measured GEMM rate, or the published peak: the denominator of MFU."""
@@ -221,7 +227,7 @@ def _known(table: dict, keys: tuple[str, ...], where: str) -> None:
 def _kind(raw: dict, i: int) -> NodeKind:
     where = f"kinds[{i}]"
     _known(raw, ("name", "cores", "memory_gib", "gemm", "stream", "peak_flops",
-                 "gemm_efficiency", "gemm_bytes"), where)
+                 "gemm_efficiency", "gemm_bytes", "comm_overlap"), where)
     name = str(_field(raw, "name", where))
     cores = _field(raw, "cores", where)
     if not isinstance(cores, int) or cores < 1:
@@ -254,7 +260,11 @@ def _kind(raw: dict, i: int) -> NodeKind:
         if not isinstance(raw["stream"], dict) or not raw["stream"]:
             raise ClusterError(f"{where}.stream must be a table: ranks per node -> bytes/s")
         stream = {int(k): _number(f"{where}.stream.{k}", v) for k, v in raw["stream"].items()}
-    return NodeKind(name, cores, memory, gemm, stream, **roof)
+    overlap = raw.get("comm_overlap", 1.0)
+    if isinstance(overlap, bool) or not isinstance(overlap, int | float) \
+            or not 0.0 <= overlap <= 1.0:
+        raise ClusterError(f"{where}.comm_overlap ({overlap!r}) must be a number from 0 to 1")
+    return NodeKind(name, cores, memory, gemm, stream, **roof, comm_overlap=float(overlap))
 
 
 def _roofline(raw: dict, where: str) -> dict:
@@ -384,6 +394,8 @@ def to_toml(c: Cluster) -> str:
         if k.stream:
             lines.append("stream = { " + ", ".join(f"{r} = {v:.4e}" for r, v in
                                                    sorted(k.stream.items())) + " }")
+        if k.comm_overlap != 1.0:
+            lines.append(f"comm_overlap = {k.comm_overlap:.3f}")
         lines.append("")
     for kind, count in c.nodes:
         lines += ["[[nodes]]", f'kind = "{kind}"', f"count = {count}", ""]

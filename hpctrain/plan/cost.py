@@ -27,9 +27,12 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   after the optimizer; hierarchical: a reduce-scatter in the node (the reduce), an
   all-reduce among the node leaders, an all-gather in the node (the broadcast)). The
   buckets launch during the last microbatch's backward, so **exposed = max(0,
-  reduction - window)**, the window being that backward less the time to fill the
-  first bucket; ZeRO's all-gather is never hidden. Periodic averaging strategies send
-  the parameters (an all-reduce) every ``average_every`` steps, amortised per step;
+  reduction - overlap * window)**, the window being that backward less the time to
+  fill the first bucket and ``overlap`` the node kind's ``comm_overlap`` (the share of
+  a sum that hides under compute: 1 unless calibrated; on nodes whose only core
+  computes, the sum's progress waits for it); ZeRO's all-gather is never hidden.
+  Periodic averaging strategies send the parameters (an all-reduce) every
+  ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;
 * optimizer: the bytes of its passes over the parameters it owns (AdamW: read p, g,
   m, v, write p, m, v, plus a scratch copy, 10 passes; SGD 6), the gradient norm and
@@ -409,7 +412,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         link = sum(mb * (lf + lb) for *_, lf, lb in times.values())
         bubble = max(0.0, makespan - busy[r])
         last_bwd = sum(times[k][1] + times[k][3] for k in info["chunks"][:1])
-        window = last_bwd if practice.dp_overlap else 0.0
+        hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
+        window = hidden * last_bwd if practice.dp_overlap else 0.0
         dp_s = dp_time(cfg, cluster, info["numel"] * s, rpn, dp_inter, window)
         opt_bytes = (practice.master_bytes or s) * OPT_PASSES.get(t.optimizer, 10) * \
             info["numel"] * (1 if par.zero == 0 else 1 / dp) + s * GRAD_PASSES * info["numel"]

@@ -10,8 +10,11 @@ the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
   thread each): the GEMM table and the element-wise (stream) rate of one rank,
   sustained (samples of about 0.2 s, their median: ``calibrate.gemm_rates``). Nodes
   beyond this machine's cores share them (``cpuset`` pins node k to core k mod
-  cores), so 4 nodes on 2 cores measure half a core each: the rate a node has while
-  its peers compute (and while they wait: MPICH's UCX progress loop spins);
+  cores) and each is capped at its share (``node_share``: the CFS quota, half a core
+  for 4 nodes on 2 cores), so a node measures what it has while its peers compute,
+  and a node waiting in a collective (MPICH's UCX progress loop spins) burns its own
+  share, not the core of the node beside it (``bench_plan.py measure --nodes`` caps
+  its nodes alike);
 * **the links between nodes**: all-reduce, all-gather, reduce-scatter over p = 2 and
   p = ``NODES`` ranks, one a node, and a ping-pong between nodes 0 and 1, fitted per
   op by ``calibrate.fit_pieces``. The switch port of node 0 counts what the node sent;
@@ -104,10 +107,16 @@ def check_on_link(on_link: list[tuple[int, float, int]]) -> list[str]:
     return lines
 
 
+def node_share(nodes: int, cores: int) -> float:
+    """The share of its one core a node gets when ``nodes`` one-core nodes share this
+    machine's ``cores``: 1 when each has its own, else cores / nodes (the quota)."""
+    return min(1.0, cores / nodes)
+
+
 def note(nodes: int, link: str, cores: int) -> str:
-    share = min(1.0, cores / nodes)
+    share = node_share(nodes, cores)
     return (f"# {nodes} emulated one-core nodes at {link} on a machine of {cores} cores: a "
-            f"node has about\n# {share:.2g} of a core while every node computes (the GEMM "
+            f"node has\n# {share:.2g} of a core (its CFS quota; the GEMM "
             f"and stream rates were measured\n# with all {nodes} nodes at once, one rank "
             f"and one BLAS thread each, sustained over 0.2 s samples)\n")
 
@@ -122,7 +131,8 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
     from hpctrain.cluster import lifecycle, net
     from hpctrain.cluster import spec as spec_mod
 
-    spec = spec_mod.uniform(nodes, cores=1, link=link, name=NAME, subnet=SUBNET)
+    spec = spec_mod.uniform(nodes, cores=1, cpu_share=node_share(nodes, cal.core_count()),
+                            link=link, name=NAME, subnet=SUBNET)
     gemm, stream, samples, on_link = {}, [], [], []
     with lifecycle.running(spec, log=lambda text: click.echo(text, err=True)) as c:
         def command(ranks, argv):
