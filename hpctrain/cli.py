@@ -57,6 +57,9 @@ OVERRIDES = {
     "recompute": "train.recompute",
     "recompute_pieces": "train.recompute_pieces",
     "memory_report": "train.memory_report",
+    "precision": "train.precision",
+    "loss_scale": "train.loss_scale",
+    "grad_comm_dtype": "parallel.grad_comm_dtype",
     "eval_split": "data.eval_split",
     "fold": "data.fold",
 }
@@ -164,6 +167,16 @@ def _int_list(value: str, name: str) -> list[int]:
               else tuple(v.strip() for v in value.split(",") if v.strip()),
               help="Pieces to recompute, by commas: first, middle.K, middle, last "
                    "(default: every middle piece, the GPT's blocks).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="Where parameters and activations rest: the model's dtype (fp32), "
+                   "bfloat16 or float16, with float32 arithmetic, master weights and "
+                   "optimizer state (bf16 needs the ml_dtypes package).")
+@click.option("--loss-scale", type=float, metavar="S",
+              help="fp16's loss scale: a fixed S, or 0 for the dynamic one (from 2^16, "
+                   "halved on an overflow, doubled after 1000 finite steps).")
+@click.option("--grad-comm-dtype", type=click.Choice(["fp32", "bf16"]),
+              help="Data-parallel gradient sums sent in bfloat16 with float32 sums (half "
+                   "the bytes on a slow link), or in float32.")
 @click.option("--memory-report/--no-memory-report", default=None,
               help="Trace allocations and print each rank's peak memory by term next to "
                    "the planner's prediction (slows the traced steps).")
