@@ -213,3 +213,20 @@ def test_a_practice_refuses_unknown_choices_by_name():
         cost.Practice(recompute="some")
     with pytest.raises(ValueError, match=r"kernels \('cuda'\) must be one of"):
         cost.Practice(kernels="cuda")
+
+
+def test_the_configs_recomputation_is_priced_unless_the_practice_names_one():
+    """The default practice takes [train] recompute from the config (``hpctrain plan`` of a
+    config with recompute = "full" prices the extra forward and keeps only the blocks'
+    inputs); a practice that names one (Megatron's "full") overrides it."""
+    from dataclasses import replace
+
+    plain = make()
+    est = {rc: cost.estimate(replace(plain, train=replace(plain.train, recompute=rc)),
+                             cluster()) for rc in ("none", "selective", "attention", "full")}
+    act = {rc: e.ranks[0].memory.activations for rc, e in est.items()}
+    step = {rc: e.step_s for rc, e in est.items()}
+    assert act["none"] > act["selective"] > act["attention"] > act["full"]
+    assert step["none"] < step["selective"] < step["attention"] < step["full"]
+    forced = cost.estimate(plain, cluster(), practice=cost.Practice(recompute="full"))
+    assert forced.ranks[0].memory.activations == act["full"] and forced.step_s == step["full"]

@@ -41,7 +41,8 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
 How the software runs a layout beyond the layout itself is a ``Practice``, one for a
 whole comparison (the default is hpctrain's own engine): the element size of
 activations, gradients and messages (bf16: 2); mixed precision (fp32 master weights
-and optimizer state); activation recomputation (``full``: each block's forward again
+and optimizer state); activation recomputation (the config's ``[train] recompute``
+unless the practice names one; ``full``: each block's forward again
 before its backward, keeping only its input; ``selective``: the attention scores,
 softmax and weighted sum only, both per-head products again; ``attention``: those
 and the qkv product); whether the
@@ -78,7 +79,8 @@ class Practice:
 
     element_bytes: int | None = None  # activations, gradients, messages; None: the dtype's
     master_bytes: int = 0  # mixed precision: master weights and optimizer state (fp32: 4)
-    recompute: str = "none"  # "none", "selective", "attention" or "full"
+    # "none", "selective", "attention" or "full"; None: the config's [train] recompute
+    recompute: str | None = None
     dp_overlap: bool = True  # gradient buckets reduced during the last backward
     kernels: str = "numpy"  # element-wise passes: hpctrain's NumPy, or "fused" GPU kernels
     p2p_scatter_gather: bool = False  # stage messages split over the tp ranks' links
@@ -89,7 +91,7 @@ class Practice:
     keeps_whole_model: bool = False
 
     def __post_init__(self):
-        if self.recompute not in RECOMPUTE:
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute ({self.recompute!r}) must be one of {RECOMPUTE}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels ({self.kernels!r}) must be one of {KERNELS}")
@@ -315,7 +317,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     world = dp * tp * pp
     rpn = ranks_per_node(cluster, world)
     sp, s = par.sequence_parallel and tp > 1, practice.element_bytes or mem.itemsize(m)
-    rc, kernels = practice.recompute, practice.kernels
+    rc = t.recompute if practice.recompute is None else practice.recompute
+    kernels = practice.kernels
     b = t.batch_size // (dp * mb)
     n_tokens = b * m.seq_len
     notes = []
