@@ -141,12 +141,12 @@ def describe(layout: tuple) -> str:
 
 
 def practice(cfg):
-    """The planner's Practice for a trial's config (recomputation, element sizes)."""
+    """The planner's Practice for a trial's config (element sizes; the recomputation is
+    the config's, as the default practice takes it)."""
     from hpctrain.plan import cost
 
     reduced = getattr(cfg.train, "precision", "fp32") != "fp32"
-    return cost.Practice(recompute=cfg.train.recompute,
-                         element_bytes=2 if reduced else None,
+    return cost.Practice(element_bytes=2 if reduced else None,
                          master_bytes=4 if reduced else 0)
 
 

@@ -94,8 +94,8 @@ def predicted(cfg: Any) -> list[dict[str, int]] | None:
         return None
     from hpctrain.plan import cost
 
-    practice = cost.Practice(recompute=cfg.train.recompute)
-    return [m.terms() | {"total": m.total} for m in cost.predict_memory(cfg, practice)]
+    # the default practice takes the config's [train] recompute
+    return [m.terms() | {"total": m.total} for m in cost.predict_memory(cfg)]
 
 
 class MemoryReport:

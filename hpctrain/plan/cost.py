@@ -29,8 +29,8 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   buckets launch during the last microbatch's backward, so **exposed = max(0,
   reduction - overlap * window)**, the window being that backward less the time to
   fill the first bucket and ``overlap`` the node kind's ``comm_overlap`` (the share of
-  a sum that hides under compute: 1 unless calibrated; on nodes whose only core
-  computes, the sum's progress waits for it); ZeRO's all-gather is never hidden.
+  a sum that hides under compute: 1 unless the description says less; on nodes whose
+  only core computes, the sum's progress waits for it); ZeRO's all-gather is never hidden.
   Periodic averaging strategies send the parameters (an all-reduce) every
   ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;
