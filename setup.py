@@ -30,6 +30,12 @@ setup(
         # PNG loss curves and schedule pictures (hpctrain plot): axes, text and image
         # encoding are what matplotlib does well and we would otherwise write by hand
         "plot": ["matplotlib>=3.7"],
+        # GELU, LayerNorm and the causal softmax as numba kernels, one pass over memory
+        # each (hpctrain/nn/fused.py): the benchmark GPT's step 5-10% faster, which
+        # NumPy's one-operation-a-pass ufuncs cannot give us. Optional: without
+        # numba (or with HPCTRAIN_FUSED=0) the NumPy kernels run, and nothing caps NumPy
+        # at the releases numba supports unless this extra is asked for
+        "fused": ["numba>=0.68"],
     },
     entry_points={
         "console_scripts": [

@@ -11,7 +11,9 @@ job gets: rank 0 prints). It reports, a line each:
 * HDF5: h5py's and HDF5's versions, whether h5py has MPI (the ``mpio`` checkpoint path,
   ``[train] checkpoint_io``) and the MPI library its HDF5 links;
 * BLAS: NumPy's BLAS, its threads, and whether OpenBLAS's idle workers sleep
-  (``runtime.blas_thread_timeout``).
+  (``runtime.blas_thread_timeout``);
+* the element-wise kernels the layers run (``nn.kernels``): numba's (and its version)
+  or NumPy's, and why.
 
 Problems, each one line saying what to do, make the exit status 1:
 
@@ -279,6 +281,25 @@ def check_blas(report: Report) -> None:
                         "hpctrain; set OPENBLAS_THREAD_TIMEOUT=4)")
 
 
+def check_kernels(report: Report) -> None:
+    from hpctrain.nn import kernels
+
+    try:
+        fused = kernels.fused_running("float32")
+    except (ImportError, ValueError) as err:  # HPCTRAIN_FUSED=1 without numba, or a bad value
+        report.problems.append(str(err))
+        return
+    if fused:
+        import numba
+
+        value = f"numba {numba.__version__} (hpctrain.nn.fused)"
+    elif os.environ.get("HPCTRAIN_FUSED") == "0":
+        value = "NumPy's (HPCTRAIN_FUSED=0)"
+    else:
+        value = "NumPy's (numba is not installed: pip install numba, the 'fused' extra)"
+    report.add("kernels", "element-wise kernels", value)
+
+
 def diagnose(expect: str | None = None, require_parallel: bool = False) -> Report:
     """Every check, in order; MPI is initialised (unless two libraries are loaded)."""
     report = Report()
@@ -289,6 +310,7 @@ def diagnose(expect: str | None = None, require_parallel: bool = False) -> Repor
     check_mpi(report, expect)
     check_hdf5(report, require_parallel)
     check_blas(report)
+    check_kernels(report)
     return report
 
 

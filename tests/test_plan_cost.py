@@ -230,3 +230,28 @@ def test_the_configs_recomputation_is_priced_unless_the_practice_names_one():
     assert step["none"] < step["selective"] < step["attention"] < step["full"]
     forced = cost.estimate(plain, cluster(), practice=cost.Practice(recompute="full"))
     assert forced.ranks[0].memory.activations == act["full"] and forced.step_s == step["full"]
+
+
+def test_the_kernels_that_run_are_priced_unless_the_practice_names_them():
+    """hpctrain's numba kernels make fewer passes than its NumPy ones (GELU 3 and 4 of
+    19 and 20, ...): cheaper element-wise time; the default practice prices the set
+    this process runs (``nn.kernels``), a named one is priced whatever runs."""
+    from hpctrain.nn import kernels
+
+    cfg = make()
+    numpy_ = cost.estimate(cfg, cluster(), practice=cost.Practice(kernels="numpy"))
+    numba_ = cost.estimate(cfg, cluster(), practice=cost.Practice(kernels="numba"))
+    assert numba_.step_s < numpy_.step_s
+    m = cfg.model
+    assert cost.block_stream_bytes(m, 4, 1, False, "numba")[0] < \
+        cost.block_stream_bytes(m, 4, 1, False, "numpy")[0]
+    try:
+        kernels.set_kernels(kernels.NUMPY_KERNELS)
+        assert cost.running_kernels(m) == "numpy"
+        assert cost.estimate(cfg, cluster()).step_s == numpy_.step_s
+        marker = kernels.NUMPY_KERNELS._replace(gelu_forward=lambda *a: None)
+        kernels.set_kernels(marker)  # any set other than NumPy's is numba's
+        assert cost.running_kernels(m) == "numba"
+        assert cost.estimate(cfg, cluster()).step_s == numba_.step_s
+    finally:
+        kernels.set_kernels(None)

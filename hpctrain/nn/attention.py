@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hpctrain.nn.kernels import SOFTMAX_BLOCK, kernels
 from hpctrain.nn.layers import Linear, LinearCache
 from hpctrain.nn.module import Module
 from hpctrain.nn.threads import products_over_rows
@@ -82,9 +83,9 @@ class CausalSelfAttention(Module):
         q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         p = np.empty((B, H, T, T), dtype=qkv.dtype)
         y = np.empty((B, T, H, D), dtype=qkv.dtype)
-        mask, scale = _future_mask(T), 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(D)
         # y (B, H, T, D) is written as (B, T, H, D), the layout proj reads
-        products_over_rows(lambda *blocks: _attend(*blocks, mask, scale),
+        products_over_rows(lambda *blocks: _attend(*blocks, scale),
                            q, k, v, p, y.transpose(0, 2, 1, 3))
         out, proj_cache = self.proj.forward(y.reshape(B, T, H * D))  # (B, T, C)
         if self.recompute_qkv:  # attention: q, k, v, P and y are made again in backward
@@ -105,9 +106,8 @@ class CausalSelfAttention(Module):
                 q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
             p = np.empty((B, H, T, T), dtype=q.dtype)
             y = np.empty((B, T, H, D), dtype=q.dtype)
-            mask, scale = _future_mask(T), 1.0 / math.sqrt(D)
-            attend = ((lambda *blocks: _attend(*blocks, mask, scale)) if again
-                      else (lambda *blocks: _attend_again(*blocks, mask)))
+            scale = 1.0 / math.sqrt(D)
+            attend = (lambda *blocks: _attend(*blocks, scale)) if again else _attend_again
             products_over_rows(attend, q, k, v, p, y.transpose(0, 2, 1, 3))
             proj_cache = LinearCache(y.reshape(B, T, H * D))  # what proj.forward kept
         dy = self.proj.backward(dout, proj_cache)  # (B, T, H D)
@@ -120,28 +120,28 @@ class CausalSelfAttention(Module):
         return self.qkv.backward(dqkv.reshape(B, T, 3 * H * D), cache.qkv)
 
 
-def _attend(q, k, v, p, y, mask, scale) -> None:
+def _attend(q, k, v, p, y, scale) -> None:
     # a block of the batch: q, k, v (b, H, T, D) -> p (b, H, T, T), y (b, H, T, D),
     # written in place; q is scaled in place (the cache keeps it scaled)
     q *= scale
-    _attend_again(q, k, v, p, y, mask)
+    _attend_again(q, k, v, p, y)
 
 
-def _attend_again(q, k, v, p, y, mask) -> None:
+def _attend_again(q, k, v, p, y) -> None:
     # a block of the batch: _attend without the scaling (the cached q is scaled already)
-    _scores(q, k, p, mask)
+    _scores(q, k, p)
     for i0, i1 in _query_blocks(q.shape[-2]):  # y_i = sum_{j <= i} P_ij v_j
         np.matmul(p[..., i0:i1, :i1], v[..., :i1, :], out=y[..., i0:i1, :])
 
 
-def _scores(q, k, p, mask) -> None:
+def _scores(q, k, p) -> None:
     # a block of the batch: q (already scaled), k (b, H, T, D) -> p (b, H, T, T) in place;
     # forward and selective recomputation both run this, so P is the same bits. Only
     # the blocks on and below the diagonal are products; the softmax zeroes the rest.
     kt = k.swapaxes(-1, -2)
     for i0, i1 in _query_blocks(q.shape[-2]):
         np.matmul(q[..., i0:i1, :], kt[..., :i1], out=p[..., i0:i1, :i1])
-    _causal_softmax(p, mask)
+    kernels(p.dtype).causal_softmax(p)
 
 
 def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:
@@ -152,12 +152,13 @@ def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:
     pt = p.swapaxes(-1, -2)
     for j0, j1 in _query_blocks(T):  # dv_j = sum_{i >= j} P_ij dy_i
         np.matmul(pt[..., j0:j1, j0:], dy[..., j0:, :], out=dv[..., j0:j1, :])
+    softmax_backward = kernels(p.dtype).softmax_backward
     ds = np.empty_like(p)  # dP, then dS; only the blocks on and below the diagonal are set
     vt = v.swapaxes(-1, -2)
     for i0, i1 in _query_blocks(T):
         rows, prob = ds[..., i0:i1, :i1], p[..., i0:i1, :i1]
         np.matmul(dy[..., i0:i1, :], vt[..., :i1], out=rows)  # dP = dy v^T
-        _softmax_backward(rows, prob)
+        softmax_backward(rows, prob)
         np.matmul(rows, k[..., :i1, :], out=dq[..., i0:i1, :])
     dq *= scale
     dst = ds.swapaxes(-1, -2)
@@ -166,40 +167,10 @@ def _attend_backward(q, k, v, p, dy, dq, dk, dv, scale) -> None:
 
 
 ATTENTION_BLOCK = 64  # query (and key) rows per block of attention's products
+# the softmax of a block of rows reads the columns its attention block computed
+assert ATTENTION_BLOCK % SOFTMAX_BLOCK == 0
 
 
 def _query_blocks(T: int) -> list[tuple[int, int]]:
     """[(i0, i1)]: the blocks of ``ATTENTION_BLOCK`` rows that cover 0..T."""
     return [(i0, min(i0 + ATTENTION_BLOCK, T)) for i0 in range(0, T, ATTENTION_BLOCK)]
-
-
-SOFTMAX_BLOCK = 32  # query rows per block: column blocks right of it are all masked
-# the softmax of a block of rows reads the columns its attention block computed
-assert ATTENTION_BLOCK % SOFTMAX_BLOCK == 0
-
-
-def _causal_softmax(s: np.ndarray, mask: np.ndarray) -> None:
-    # s (..., T, T) scores -> probabilities, in place; mask (T, T) True above the diagonal.
-    # Query rows i0:i1 only see keys :i1, so each block of rows works on its first i1
-    # columns and sets the rest to 0: about half the exp of a whole-row pass.
-    T = s.shape[-1]
-    for i0 in range(0, T, SOFTMAX_BLOCK):
-        i1 = min(i0 + SOFTMAX_BLOCK, T)
-        rows = s[..., i0:i1, :i1]
-        np.copyto(rows[..., i0:], -np.inf, where=mask[i0:i1, i0:i1])
-        rows -= rows.max(axis=-1, keepdims=True)  # the diagonal is never masked: finite
-        np.exp(rows, out=rows)
-        rows /= rows.sum(axis=-1, keepdims=True)
-        s[..., i0:i1, i1:] = 0.0
-
-
-def _softmax_backward(ds: np.ndarray, p: np.ndarray) -> None:
-    # ds (..., rows, cols) holds dP; becomes dS = P * (dP - rowsum(dP * P)), in place
-    # (a block of query rows and the columns they see)
-    ds -= np.einsum("...ij,...ij->...i", ds, p)[..., None]
-    ds *= p  # masked entries have p == 0, so they get no gradient
-
-
-def _future_mask(T: int) -> np.ndarray:
-    """(T, T) boolean, True where key position j > query position i."""
-    return np.triu(np.ones((T, T), dtype=bool), k=1)

@@ -13,11 +13,11 @@ Shapes: ``N`` is any number of leading dimensions flattened (``B * T`` in the GP
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
 
+from hpctrain.nn.kernels import kernels
 from hpctrain.nn.module import Module, Parameter
 from hpctrain.nn.threads import over_rows
 
@@ -149,7 +149,8 @@ class LayerNorm(Module):
         xhat, y = np.empty_like(x), np.empty_like(x)
         rstd = np.empty((*x.shape[:-1], 1), dtype=x.dtype)
         w, b, eps = self.weight.data, self.bias.data, self.eps
-        over_rows(lambda *rows: _layernorm_forward(*rows, w, b, eps),
+        forward = kernels(x.dtype).layernorm_forward
+        over_rows(lambda *rows: forward(*rows, w, b, eps),
                   _rows(x), _rows(xhat), _rows(rstd), _rows(y))
         return y, LayerNormCache(xhat, rstd)
 
@@ -162,42 +163,14 @@ class LayerNorm(Module):
         self.bias.grad += dy.reshape(-1, c).sum(axis=0)
         dx = np.empty_like(dy)
         w = self.weight.data
-        over_rows(lambda *rows: _layernorm_backward(*rows, w),
+        backward = kernels(dy.dtype).layernorm_backward
+        over_rows(lambda *rows: backward(*rows, w),
                   _rows(dy), _rows(xhat), _rows(rstd), _rows(dx))
         return dx
 
 
-def _layernorm_forward(x: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, y: np.ndarray,
-                       w: np.ndarray, b: np.ndarray, eps: float) -> None:
-    # rows (n, C) of x -> xhat, rstd (n, 1) and y, written in place
-    np.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)  # centred
-    np.mean(np.square(xhat), axis=-1, keepdims=True, out=rstd)  # variance
-    rstd += eps
-    np.sqrt(rstd, out=rstd)
-    np.divide(1.0, rstd, out=rstd)
-    xhat *= rstd
-    np.multiply(xhat, w, out=y)
-    y += b
-
-
-def _layernorm_backward(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, dx: np.ndarray,
-                        w: np.ndarray) -> None:
-    # rows -> dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w, written in place
-    c = dy.shape[-1]
-    np.multiply(dy, w, out=dx)  # g
-    mean_gx = np.einsum("nc,nc->n", dx, xhat)[:, None] / c  # (n, 1)
-    dx -= dx.mean(axis=-1, keepdims=True)
-    dx -= xhat * mean_gx
-    dx *= rstd
-
-
 # ---------------------------------------------------------------------------------
 # GELU (tanh approximation, as in GPT-2)
-
-_GELU_K = math.sqrt(2.0 / math.pi)
-_GELU_A = 0.044715
-
-
 class GELUCache(NamedTuple):
     x: np.ndarray  # (...) input
     s: np.ndarray  # (...) sigmoid(2 u) = (1 + tanh(u)) / 2, u = k (x + a x^3)
@@ -215,41 +188,15 @@ class GELU(Module):
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, GELUCache]:
         # x (...) -> y (...); s and y are the only arrays allocated
         s, y = np.empty_like(x), np.empty_like(x)
-        over_rows(_gelu_forward, _rows(x), _rows(s), _rows(y))
+        over_rows(kernels(x.dtype).gelu_forward, _rows(x), _rows(s), _rows(y))
         return y, GELUCache(x, s)
 
     def backward(self, dy: np.ndarray, cache: GELUCache) -> np.ndarray:
         # dy (...) -> dx (...); dx is the only array allocated
         x, s = cache
         dx = np.empty_like(x)
-        over_rows(_gelu_backward, _rows(x), _rows(s), _rows(dy), _rows(dx))
+        over_rows(kernels(x.dtype).gelu_backward, _rows(x), _rows(s), _rows(dy), _rows(dx))
         return dx
-
-
-def _gelu_forward(x: np.ndarray, s: np.ndarray, y: np.ndarray) -> None:
-    # rows of x -> s = 1 / (1 + exp(-2u)), y = x s, written in place
-    np.multiply(x, x, out=s)
-    s *= -2.0 * _GELU_K * _GELU_A
-    s -= 2.0 * _GELU_K
-    s *= x  # -2u
-    with np.errstate(over="ignore"):  # exp(-2u) = inf for x < -10: s = 0, y = -0, exact
-        np.exp(s, out=s)
-    s += 1.0
-    np.divide(1.0, s, out=s)
-    np.multiply(x, s, out=y)
-
-
-def _gelu_backward(x: np.ndarray, s: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:
-    # rows -> dx = dy (s + 2 x s (1 - s) k (1 + 3 a x^2)), one scratch block
-    np.multiply(x, x, out=dx)
-    dx *= 6.0 * _GELU_K * _GELU_A
-    dx += 2.0 * _GELU_K
-    dx *= x  # 2 x k (1 + 3 a x^2)
-    tmp = np.subtract(1.0, s)
-    tmp *= s
-    dx *= tmp  # 2 x s (1 - s) k (1 + 3 a x^2)
-    dx += s
-    dx *= dy
 
 
 def _rows(a: np.ndarray) -> np.ndarray:

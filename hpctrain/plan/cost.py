@@ -47,7 +47,8 @@ before its backward, keeping only its input; ``selective``: the attention scores
 softmax and weighted sum only, both per-head products again; ``attention``: those
 and the qkv product); whether the
 data-parallel reduction overlaps the backward; the element-wise kernels (hpctrain's
-NumPy passes, or fused GPU kernels as Megatron's); pipeline messages split over the
+NumPy passes or its numba kernels, whichever this process runs unless the practice
+names one, or fused GPU kernels as Megatron's); pipeline messages split over the
 tensor group's links and all-gathered in the node. The memory of a config whose
 ``[train] precision`` is bf16 or fp16 is what ``hpctrain.precision`` stores whatever the
 practice's element sizes say (``memory.elements``: 16-bit caches, all else float32, the
@@ -69,7 +70,7 @@ GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
 GRAD_PASSES = 3  # norm (read), clip (read, write)
 RECOMPUTE = ("none", "selective", "attention", "full")
-KERNELS = ("numpy", "fused")
+KERNELS = ("numpy", "numba", "fused")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ class Practice:
     # "none", "selective", "attention" or "full"; None: the config's [train] recompute
     recompute: str | None = None
     dp_overlap: bool = True  # gradient buckets reduced during the last backward
-    kernels: str = "numpy"  # element-wise passes: hpctrain's NumPy, or "fused" GPU kernels
+    # element-wise passes: hpctrain's "numpy" or "numba" kernels (``hpctrain.nn.kernels``),
+    # or Megatron's "fused" GPU kernels; None: the ones hpctrain runs in this process
+    kernels: str | None = None
     p2p_scatter_gather: bool = False  # stage messages split over the tp ranks' links
     # pp > 1: every pipeline rank keeps the whole (tp-sharded) model it was built from,
     # the other stages' parameters and gradients included (hpctrain's PipelineEngine
@@ -93,7 +96,7 @@ class Practice:
     def __post_init__(self):
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute ({self.recompute!r}) must be one of {RECOMPUTE}")
-        if self.kernels not in KERNELS:
+        if self.kernels is not None and self.kernels not in KERNELS:
             raise ValueError(f"kernels ({self.kernels!r}) must be one of {KERNELS}")
 
 
@@ -200,15 +203,20 @@ def head_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int) ->
     return _gemm(kind, rpn, b * m.seq_len, m.vocab_size // tp, m.d_model)
 
 
-def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str = "numpy",
+def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
                        s: int | None = None) -> tuple[float, float, float]:
     """(forward, backward, the forward's attention-score part) bytes of one block's
     element-wise passes, an estimate by pass counting.
 
-    numpy (hpctrain's kernels): LayerNorm 10 and 18 passes of (N, C), residual adds 3,
-    GELU 19 and 20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and its
-    backward 7 of the blocks attention computes (``causal_fraction``), bias gradients
-    and q's scaling.
+    numpy (hpctrain's NumPy kernels): LayerNorm 10 and 18 passes of (N, C), residual
+    adds 3, GELU 19 and 20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and
+    its backward 7 of the blocks attention computes (``causal_fraction``), bias
+    gradients and q's scaling.
+    numba (hpctrain's fused kernels, ``hpctrain.nn.fused``: one read of each input and
+    one write of each output, a row in cache between its passes): LayerNorm 3 and 6
+    (the backward's kernel 3, its weight and bias gradients 3, NumPy's), GELU 3 and 4,
+    the causal softmax a read of the half and a write of the whole, its backward 3 of
+    the blocks; the rest as numpy.
     fused (Megatron's GPU kernels, one read and one write each): LayerNorm 2 and 3 of
     (N, C) twice, bias-dropout-add 3.5 and 2.5 twice (the mask a byte), bias-GELU 2
     and 3 of (N, F/t), scale-mask-softmax 2 and 3 of (b, H/t, T, T) and its dropout
@@ -225,24 +233,38 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str =
         bwd = 2 * 3 * rows * c + 2 * 2.5 * rows * c + 3 * n * f // tp + 5.5 * scores \
             + 8 * n * c // tp
         return s * fwd, s * bwd, s * 4.5 * scores
-    fwd = 2 * 10 * rows * c + 2 * 3 * rows * c + 19 * n * f // tp + 2.5 * scores \
-        + 2 * n * c // tp
-    bwd = 2 * 18 * rows * c + 2 * 3 * rows * c + 20 * n * f // tp \
-        + 7 * scores * causal_fraction(t) \
+    # LayerNorm, GELU and softmax passes: (forward, backward) counts of (N, C),
+    # (N, F/t) and the scores (the backward's of the blocks attention computes)
+    ln, gelu, soft = {"numpy": ((10, 18), (19, 20), (2.5, 7)),
+                      "numba": ((3, 6), (3, 4), (1.5, 3))}[kernels]
+    fwd = 2 * ln[0] * rows * c + 2 * 3 * rows * c + gelu[0] * n * f // tp \
+        + soft[0] * scores + 2 * n * c // tp
+    bwd = 2 * ln[1] * rows * c + 2 * 3 * rows * c + gelu[1] * n * f // tp \
+        + soft[1] * scores * causal_fraction(t) \
         + n * (4 * c // tp + 2 * c + f // tp) + 2 * n * c // tp
-    return s * fwd, s * bwd, s * 2.5 * scores
+    return s * fwd, s * bwd, s * soft[0] * scores
 
 
-def head_stream_bytes(m: ModelConfig, b: int, tp: int, kernels: str = "numpy",
+def head_stream_bytes(m: ModelConfig, b: int, tp: int, kernels: str,
                       s: int | None = None) -> tuple[float, float]:
     """numpy: LayerNorm 10 and 18 passes of (N, C), the loss 8 and 6 of (N, V/t);
-    fused: 2 and 3, and the vocabulary-parallel cross-entropy 4 and 3."""
+    numba: LayerNorm 3 and 6, the loss as numpy; fused: 2 and 3, and the
+    vocabulary-parallel cross-entropy 4 and 3."""
     s, n = s or mem.itemsize(m), b * m.seq_len
     if kernels == "fused":
         return s * (2 * n * m.d_model + 4 * n * m.vocab_size // tp), \
             s * (3 * n * m.d_model + 3 * n * m.vocab_size // tp)
-    return s * (10 * n * m.d_model + 8 * n * m.vocab_size // tp), \
-        s * (18 * n * m.d_model + 6 * n * m.vocab_size // tp)
+    ln = (3, 6) if kernels == "numba" else (10, 18)
+    return s * (ln[0] * n * m.d_model + 8 * n * m.vocab_size // tp), \
+        s * (ln[1] * n * m.d_model + 6 * n * m.vocab_size // tp)
+
+
+def running_kernels(m: ModelConfig) -> str:
+    """The element-wise kernels hpctrain runs in this process for ``m``'s dtype:
+    "numba" (numba installed, ``HPCTRAIN_FUSED`` not 0) or "numpy"."""
+    from hpctrain.nn import kernels as nn_kernels
+
+    return "numba" if nn_kernels.fused_running(m.dtype) else "numpy"
 
 
 def embed_stream_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None
@@ -318,7 +340,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     rpn = ranks_per_node(cluster, world)
     sp, s = par.sequence_parallel and tp > 1, practice.element_bytes or mem.itemsize(m)
     rc = t.recompute if practice.recompute is None else practice.recompute
-    kernels = practice.kernels
+    kernels = practice.kernels or running_kernels(m)
     b = t.batch_size // (dp * mb)
     n_tokens = b * m.seq_len
     notes = []
@@ -343,7 +365,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         small = min(k.memory_bytes for k in kinds)
         stream = min((k.stream_rate(rpn) or 0.0) for k in kinds)
         stream_missing |= stream == 0.0
-        causal = kernels == "numpy"  # hpctrain's attention skips the masked blocks
+        causal = kernels != "fused"  # hpctrain's attention skips the masked blocks
         blk_f = cached(block_forward_s, slow, rpn, b, tp, causal)
         f_bytes, b_bytes, score_bytes = block_stream_bytes(m, b, tp, sp, kernels, s)
         # recomputation: what a block's backward does again of its forward

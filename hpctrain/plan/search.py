@@ -107,9 +107,10 @@ class Search:
 
 
 def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
-                      refine: int = 20) -> Search:
+                      refine: int = 20, practice: cost.Practice = cost.HPCTRAIN) -> Search:
     """Every valid layout of ``cfg`` on ``world`` ranks of ``cluster``, ranked (module
-    docstring). Raises ConfigError if no layout is valid for the global batch."""
+    docstring), each priced as ``practice`` runs it. Raises ConfigError if no layout is
+    valid for the global batch."""
     t0 = time.perf_counter()
     cost.ranks_per_node(cluster, world)  # the placement's rule, by name
     memo: dict = {}
@@ -123,7 +124,8 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
             first_error = first_error or str(err)
             continue
         valid.append(checked)
-        estimates.append(cost.estimate(checked, cluster, replay=False, memo=memo))
+        estimates.append(cost.estimate(checked, cluster, replay=False, memo=memo,
+                                       practice=practice))
     if not valid:
         raise ConfigError(f"no layout of {world} ranks can run a global batch of "
                           f"{cfg.train.batch_size} (the batch must be a multiple of dp * "
@@ -131,7 +133,8 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
                           f"{first_error}")
     ok = sorted((e for e in estimates if fits(e)), key=lambda e: e.step_s)
     closest = None if ok else min(estimates, key=miss)
-    top = [cost.estimate(e.cfg, cluster, replay=True, memo=memo) for e in ok[:refine]]
+    top = [cost.estimate(e.cfg, cluster, replay=True, memo=memo, practice=practice)
+           for e in ok[:refine]]
     ranked = sorted(top, key=lambda e: e.step_s) + ok[refine:]
     return Search(ranked, tried, len(valid), closest, time.perf_counter() - t0)
 
@@ -203,8 +206,13 @@ def config_toml(cfg: Config) -> str:
               help="Print every rank's terms for one layout, e.g. dp2-tp2-pp2-mb4-1f1b-z1.")
 @click.option("--emit", type=click.Path(dir_okay=False),
               help="Write the best layout (or --explain's) as a config TOML here.")
-def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, emit):
+@click.option("--kernels", type=click.Choice(["numpy", "numba"]),
+              help="The element-wise kernels the cluster's hpctrain runs (default: the "
+                   "ones this one runs: numba's when numba is installed and "
+                   "HPCTRAIN_FUSED is not 0).")
+def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, emit, kernels):
     """Rank the layouts of a config on a cluster by predicted step time."""
+    practice = replace(cost.HPCTRAIN, kernels=kernels)
     try:
         cfg = config_mod.load(config_path)
         if batch is not None:
@@ -213,13 +221,15 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
         cluster, world = _scope(cluster, ranks, nodes)
         if explain_layout:
             par = replace(cfg.parallel, **parse_layout(explain_layout))
-            chosen = cost.estimate(replace(cfg, parallel=par).validate(world), cluster)
+            chosen = cost.estimate(replace(cfg, parallel=par).validate(world), cluster,
+                                   practice=practice)
             click.echo(explain(chosen))
         else:
-            found = enumerate_layouts(cfg, cluster, world)
+            found = enumerate_layouts(cfg, cluster, world, practice=practice)
+            priced = kernels or cost.running_kernels(cfg.model)
             click.echo(f"{found.valid} valid layouts of {found.tried} tried on {world} ranks "
                        f"({cluster.name}), {len(found.ranked)} fit in memory; "
-                       f"{found.seconds:.2f} s")
+                       f"{found.seconds:.2f} s; {priced} element-wise kernels")
             if not found.ranked:
                 e = found.closest_miss
                 raise click.ClickException(
