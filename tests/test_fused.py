@@ -1,6 +1,7 @@
-"""numba's fused kernels (hpctrain.nn.fused) against the NumPy kernels they replace,
-forward and backward, float32 and float64; and the choice between the two
-(``kernels.kernels``), which must fall back to NumPy without numba.
+"""numba's fused kernels (hpctrain.nn.fused) against the NumPy kernels they replace
+(hpctrain.nn.kernels), forward and backward, float32 and float64, and AdamW's update
+(bitwise); and the choice between the two sets (``kernels.kernels``), which must fall
+back to NumPy without numba.
 
 The comparisons need numba and say so when it is missing (``pytest.importorskip``);
 the tests of the choice run either way.
@@ -15,6 +16,7 @@ import pytest
 from hpctrain.nn import GELU, CausalSelfAttention, LayerNorm, kernels
 from hpctrain.nn import threads as nn_threads
 from hpctrain.nn.kernels import NUMPY_KERNELS, Kernels
+from hpctrain.optim import AdamW
 
 # numba against NumPy, in units in the last place of the NumPy result (sums in another
 # order, float32 exp within 1 ulp where NumPy's is within 2.4)
@@ -105,6 +107,7 @@ def test_the_layers_run_the_chosen_kernels():
     for layer in (GELU(), LayerNorm(6, dtype=np.float64), attention):
         y, cache = layer.forward(x)
         layer.backward(x, cache)
+    AdamW(attention.named_parameters(), lr=0.1).step()
     assert list(dict.fromkeys(calls)) == list(Kernels._fields)  # each, in this order
 
 
@@ -376,3 +379,40 @@ def test_the_doctor_names_the_kernels_that_run(monkeypatch):
     check_kernels(report)
     assert "kernels" not in report.facts
     assert len(report.problems) == 1 and "HPCTRAIN_FUSED ('maybe')" in report.problems[0]
+
+
+# ---------------------------------------------------------------------------------
+# AdamW's update
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw_fused_is_bitwise_numpys(fused, dtype):
+    """Three steps of AdamW with each kernel set: parameters and state bitwise equal, for
+    a matrix (decayed, above PARALLEL_MIN_SIZE: split over threads) and a bias."""
+    from hpctrain.nn.module import Parameter
+
+    results = []
+    for chosen in (NUMPY_KERNELS, fused.KERNELS):
+        kernels.set_kernels(chosen)
+        params = [("w", Parameter(rows((300, 300), dtype, 0))),
+                  ("b", Parameter(rows((300,), dtype, 1)))]
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            for i, (_, p) in enumerate(params):
+                p.grad[...] = rows(p.shape, dtype, 10 * step + i + 2, scale=10.0 ** -step)
+            opt.step()
+        results.append([p.data for _, p in params] + opt.m + opt.v)
+    for got, want in zip(results[1], results[0], strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert not np.array_equal(results[0][0], rows((300, 300), dtype, 0))  # it did update
+
+
+def test_adamw_runs_numpys_kernel_where_the_dtypes_differ(fused):
+    from hpctrain.nn.module import Parameter
+
+    calls = []
+    kernels.set_kernels(fused.KERNELS._replace(adamw_update=lambda *a: calls.append(a)))
+    p = Parameter(rows((8,), np.float32))
+    p.grad = np.ones(8)  # a float64 gradient of a float32 parameter: NumPy's rules
+    AdamW([("p", p)], lr=0.1).step()
+    assert calls == [] and not np.array_equal(p.data, rows((8,), np.float32))

@@ -15,6 +15,7 @@ loops (AVX-512 where the CPU has it).
     layernorm_backward  dy, xhat, rstd    dx             4 and 2 row reductions
     causal_softmax      S on and below the diagonal, in place (5 passes a block)
     softmax_backward    dP, P             dS, in place   2 and 1 row reduction
+    adamw_update        p, g, m, v        p, m, v        14 (bitwise the same)
 
 Each kernel has the name and signature of the NumPy kernel it replaces
 (``hpctrain.nn.kernels``, which also says which set runs) and works on the same
@@ -359,5 +360,33 @@ def _strided(a: np.ndarray) -> tuple[np.ndarray, int, int]:
     return flat, stride_m, stride_r
 
 
+# ---------------------------------------------------------------------------------
+# AdamW's update (kernels.adamw_update): the same operations in the same order, each
+# rounded to the dtype (no contraction into fused multiply-adds: numba asks LLVM for
+# none without fastmath), so bitwise NumPy's
+
+
+@_jit()
+def _adamw_flat(data, g, m, v, shrink, b1, c1, b2, c2, rsqrt_bc2, eps, step_size):
+    decay = shrink != data.dtype.type(1)
+    for i in range(data.shape[0]):
+        p = data[i] * shrink if decay else data[i]
+        gi = g[i]
+        mi = m[i] * b1 + gi * c1
+        vi = v[i] * b2 + (gi * gi) * c2
+        m[i] = mi
+        v[i] = vi
+        data[i] = p - mi / (math.sqrt(vi) * rsqrt_bc2 + eps) * step_size
+
+
+def adamw_update(data: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
+                 tmp: np.ndarray, shrink: float, b1: float, b2: float, rsqrt_bc2: float,
+                 eps: float, step_size: float) -> None:
+    """``kernels.adamw_update`` in one pass (``tmp`` unused); flat arrays of one dtype."""
+    t = data.dtype.type
+    _adamw_flat(data, g, m, v, t(shrink), t(b1), t(1.0 - b1), t(b2), t(1.0 - b2),
+                t(rsqrt_bc2), t(eps), t(step_size))
+
+
 KERNELS = Kernels(gelu_forward, gelu_backward, layernorm_forward, layernorm_backward,
-                  causal_softmax, softmax_backward)
+                  causal_softmax, softmax_backward, adamw_update)

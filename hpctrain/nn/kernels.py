@@ -1,7 +1,7 @@
-"""The element-wise kernels of the layers, in NumPy, and which set of kernels runs.
+"""The element-wise kernels of the layers and AdamW, in NumPy, and which set runs.
 
-GELU, LayerNorm and attention's causal softmax are formulas over each element (and
-sums over a row); their kernels work on a block of rows, results written in place, so
+GELU, LayerNorm, attention's causal softmax and AdamW's update are formulas over each
+element (and sums over a row); their kernels work on a block of rows, results written in place, so
 that ``threads.over_rows`` and ``threads.products_over_rows`` can split a layer's rows
 over the rank's threads. Each kernel exists twice, with the same signature: here in
 NumPy, one operation (one pass over memory) at a time, and in ``hpctrain.nn.fused``
@@ -14,6 +14,7 @@ compiled by numba into one pass. ``kernels(dtype)`` says which set a layer calls
     layernorm_backward  dy, xhat, rstd, dx, w              dx
     causal_softmax      S (..., T, T)                      P, in place (0 above the diagonal)
     softmax_backward    dP (..., rows, cols), P            dS, in place in dP
+    adamw_update        p, g, m, v, tmp (flat), scalars    p, m, v (``optim.AdamW``)
 
 numba's kernels run for float32 and float64 when numba can be imported (the ``fused``
 extra); NumPy's otherwise, and for any other dtype. ``HPCTRAIN_FUSED`` in the
@@ -132,6 +133,34 @@ def future_mask(T: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------
+# AdamW's update (hpctrain.optim.AdamW), on flat slices of a parameter and its state
+
+
+def adamw_update(data: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
+                 tmp: np.ndarray, shrink: float, b1: float, b2: float, rsqrt_bc2: float,
+                 eps: float, step_size: float) -> None:
+    # data *= shrink (decoupled decay; skipped at 1); m = b1 m + (1 - b1) g;
+    # v = b2 v + (1 - b2) g^2; data -= step_size m / (sqrt(v) rsqrt_bc2 + eps), in
+    # place; tmp is scratch. Scalars take the arrays' dtype (NumPy's rule for Python
+    # floats), each product and sum rounded in this order: fused.adamw_update is bitwise
+    if shrink != 1.0:
+        data *= shrink
+    m *= b1
+    np.multiply(g, 1.0 - b1, out=tmp)
+    m += tmp
+    v *= b2
+    np.multiply(g, g, out=tmp)
+    tmp *= 1.0 - b2
+    v += tmp
+    np.sqrt(v, out=tmp)
+    tmp *= rsqrt_bc2
+    tmp += eps  # sqrt(v_hat) + eps
+    np.divide(m, tmp, out=tmp)
+    tmp *= step_size
+    data -= tmp
+
+
+# ---------------------------------------------------------------------------------
 # Which kernels run: NumPy's above, or numba's (hpctrain.nn.fused)
 
 
@@ -144,10 +173,11 @@ class Kernels(NamedTuple):
     layernorm_backward: Callable[..., None]
     causal_softmax: Callable[..., None]
     softmax_backward: Callable[..., None]
+    adamw_update: Callable[..., None]
 
 
 NUMPY_KERNELS = Kernels(gelu_forward, gelu_backward, layernorm_forward, layernorm_backward,
-                        causal_softmax, softmax_backward)
+                        causal_softmax, softmax_backward, adamw_update)
 FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # what numba's are built for
 
 _kernels: Kernels | None = None  # chosen on first use

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from hpctrain.nn.kernels import NUMPY_KERNELS, kernels
 from hpctrain.nn.module import Parameter, is_sparse
 from hpctrain.nn.threads import over_rows
 
@@ -133,26 +134,13 @@ class AdamW(Optimizer):
         rsqrt_bc2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
         for p, m, v, decay in zip(self.params, self.m, self.v, self.decay, strict=True):
             shrink = 1.0 - lr * self.weight_decay if decay and self.weight_decay else 1.0
-
-            def update(data, g, m, v, tmp, shrink=shrink):
-                # one block of elements: every array is a flat slice of the same range
-                if shrink != 1.0:
-                    data *= shrink
-                m *= b1
-                np.multiply(g, 1.0 - b1, out=tmp)
-                m += tmp
-                v *= b2
-                np.multiply(g, g, out=tmp)
-                tmp *= 1.0 - b2
-                v += tmp
-                np.sqrt(v, out=tmp)
-                tmp *= rsqrt_bc2
-                tmp += self.eps  # sqrt(v_hat) + eps
-                np.divide(m, tmp, out=tmp)
-                tmp *= step_size
-                data -= tmp
-
-            _elementwise(update, p.data, p.grad, m, v, self._tmp(p))
+            # numba's kernel where all four share a dtype it is built for, else NumPy's
+            same = p.grad.dtype == m.dtype == v.dtype == p.data.dtype
+            update = (kernels(p.data.dtype) if same else NUMPY_KERNELS).adamw_update
+            scalars = (shrink, b1, b2, rsqrt_bc2, self.eps, step_size)
+            # one block of elements: every array a flat slice of the same range
+            _elementwise(lambda *block, update=update, scalars=scalars: update(*block, *scalars),
+                         p.data, p.grad, m, v, self._tmp(p))
 
 
 class SGD(Optimizer):

@@ -35,8 +35,8 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;
 * optimizer: the bytes of its passes over the parameters it owns (AdamW: read p, g,
-  m, v, write p, m, v, plus a scratch copy, 10 passes; SGD 6), the gradient norm and
-  clipping (3 passes over the gradients), at ``stream_rate``.
+  m, v, write p, m, v, plus a scratch copy, 10 passes, 7 with the numba kernel; SGD
+  6), the gradient norm and clipping (3 passes over the gradients), at ``stream_rate``.
 
 How the software runs a layout beyond the layout itself is a ``Practice``, one for a
 whole comparison (the default is hpctrain's own engine): the element size of
@@ -68,6 +68,8 @@ from hpctrain.plan.cluster import from_dict as cluster_from_dict
 
 GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
+# hpctrain's numba AdamW: one read of p, g, m, v and one write of p, m, v
+NUMBA_OPT_PASSES = {**OPT_PASSES, "adamw": 7}
 GRAD_PASSES = 3  # norm (read), clip (read, write)
 RECOMPUTE = ("none", "selective", "attention", "full")
 KERNELS = ("numpy", "numba", "fused")
@@ -440,7 +442,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
         window = hidden * last_bwd if practice.dp_overlap else 0.0
         dp_s = dp_time(cfg, cluster, info["numel"] * s, rpn, dp_inter, window)
-        opt_bytes = (practice.master_bytes or s) * OPT_PASSES.get(t.optimizer, 10) * \
+        passes = (NUMBA_OPT_PASSES if kernels == "numba" else OPT_PASSES).get(t.optimizer, 10)
+        opt_bytes = (practice.master_bytes or s) * passes * \
             info["numel"] * (1 if par.zero == 0 else 1 / dp) + s * GRAD_PASSES * info["numel"]
         opt_s = opt_bytes / info["stream"] if info["stream"] else 0.0
         ranks.append(RankCost(r, info["slow"].name, info["blocks"], 0 in info["chunks"],
