@@ -19,11 +19,12 @@
 ``tracemalloc`` (3 steps; the peak of the traced NumPy and Python allocations of each
 rank over a steady step, the largest rank's; tracing slows the step, so it is not
 timed). ``stream`` measures a rank's element-wise bytes/s (``a + b -> c`` on 64 MiB
-float32 arrays, all ranks at once) at 1 and 2 ranks, which ``hpctrain calibrate``
-does not; ``compare`` adds it to the cluster description it reads when the file has
-none. ``compare`` prints predicted against measured per layout, the median and worst
-step-time error, Spearman's rank correlation, and whether the predicted best is the
-measured best. ``measure --nodes N`` brings up
+float32 arrays, all ranks at once, the median of 8 samples of 40 passes) at 1 and 2
+ranks, which ``hpctrain calibrate`` does not; ``compare`` adds it to the cluster
+description it reads when the file has none. ``compare`` prints predicted against
+measured per layout, the median and worst step-time error, Spearman's rank
+correlation, and whether the predicted best is the measured best. ``measure --nodes
+N`` brings up
 ``N`` one-core nodes (``hpctrain cluster``: links shaped at ``--link``, UCX over TCP on
 them), runs ``ON_NODES[N]`` one rank a node (one BLAS thread; serial on the first node
 alone) and removes the cluster; ``load.json`` keeps, per layout, the load average
@@ -115,6 +116,7 @@ def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0) -> N
 
     from mpi4py import MPI
 
+    from hpctrain.nn import kernels
     from hpctrain.train import train
 
     comm = MPI.COMM_WORLD
@@ -123,6 +125,7 @@ def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0) -> N
     cfg = layout_config(name, 3 if memory else steps, run_dir, threads)
     hook = None
     if memory:
+        kernels.load(cfg.model.dtype)  # numba's code loaded before tracing, as train does
         tracemalloc.start()
 
         def hook():
@@ -133,19 +136,14 @@ def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0) -> N
 
 
 def stream_worker(out: str) -> None:
-    import numpy as np
     from mpi4py import MPI
 
+    from hpctrain.plan.calibrate import stream_rates
+
     comm = MPI.COMM_WORLD
-    n = 16 << 20  # 64 MiB of float32 per array
-    a, b, c = (np.ones(n, np.float32) for _ in range(3))
-    best = float("inf")
-    for _ in range(8):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        np.add(a, b, out=c)
-        best = min(best, time.perf_counter() - t0)
-    rates = comm.gather(3 * 4 * n / best)
+    # sustained: the median of 8 samples of 40 passes (``calibrate --emulated``'s); the
+    # best single pass read 19 and 34 GB/s a rank at 2 ranks on two runs of one day
+    rates = stream_rates(comm, sustained=True)
     if comm.Get_rank() == 0:
         path = Path(out) / "stream.json"
         got = json.loads(path.read_text()) if path.exists() else {}

@@ -30,6 +30,7 @@ from hpctrain.data.contents import check_fits, read_contents
 from hpctrain.guard import DivergenceError, NonFiniteGuard
 from hpctrain.metrics import MetricsWriter, progress_line
 from hpctrain.models.registry import model_class
+from hpctrain.nn import kernels as nn_kernels
 from hpctrain.nn import threads as nn_threads
 from hpctrain.optim import schedule
 from hpctrain.optim.optimizers import SGD, AdamW
@@ -342,6 +343,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ``after_step``: called on every rank after each step, outside its timing (the
     benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
     """
+    nn_kernels.load(cfg.model.dtype)  # numba's machine code now, not in the first step
     memory = None
     if cfg.train.memory_report:  # traced from here: the engine's arrays included
         from hpctrain.memreport import MemoryReport, chain

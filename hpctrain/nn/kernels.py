@@ -199,6 +199,30 @@ def fused_running(dtype) -> bool:
     return NUMPY_KERNELS is not kernels(np.dtype(dtype))
 
 
+def load(dtype) -> Kernels:
+    """The kernels for ``dtype``, each run once on a few elements, so that numba's
+    machine code is loaded (from its cache, or compiled) now and not inside the first
+    training step, whose time and traced memory it would otherwise join (``train``
+    calls it first thing; so do the benchmarks that trace memory)."""
+    dt = np.dtype(dtype)
+    chosen = kernels(dt)
+    if chosen is NUMPY_KERNELS:
+        return chosen
+    x, dy = np.linspace(-1, 1, 8, dtype=dt).reshape(2, 4), np.ones((2, 4), dt)
+    s, y, dx, xhat = (np.empty_like(x) for _ in range(4))
+    rstd, w = np.empty((2, 1), dt), np.ones(4, dt)
+    chosen.gelu_forward(x, s, y)
+    chosen.gelu_backward(x, s, dy, dx)
+    chosen.layernorm_forward(x, xhat, rstd, y, w, w, 1e-5)
+    chosen.layernorm_backward(dy, xhat, rstd, dx, w)
+    p = np.zeros((1, 4, 4), dt)
+    chosen.causal_softmax(p)
+    chosen.softmax_backward(np.ones_like(p), p)
+    flat = [np.ones(4, dt) for _ in range(5)]
+    chosen.adamw_update(*flat, 1.0, 0.9, 0.95, 1.0, 1e-8, 1e-3)
+    return chosen
+
+
 def set_kernels(chosen: Kernels | None) -> None:
     """Run ``chosen`` from now on (tests, benchmarks: NUMPY_KERNELS, fused.KERNELS or a
     mix); None: choose again from the environment on next use."""

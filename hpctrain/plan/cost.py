@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hpctrain.config import Config, ModelConfig
+from hpctrain.parallel import recompute as recompute_modes
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
 from hpctrain.plan.cluster import from_dict as cluster_from_dict
@@ -71,7 +72,7 @@ OPT_PASSES = {"adamw": 10, "sgd": 6}
 # hpctrain's numba AdamW: one read of p, g, m, v and one write of p, m, v
 NUMBA_OPT_PASSES = {**OPT_PASSES, "adamw": 7}
 GRAD_PASSES = 3  # norm (read), clip (read, write)
-RECOMPUTE = ("none", "selective", "attention", "full")
+RECOMPUTE = recompute_modes.MODES  # the modes train runs (parallel/recompute.py)
 KERNELS = ("numpy", "numba", "fused")
 
 
@@ -214,11 +215,15 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
     adds 3, GELU 19 and 20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and
     its backward 7 of the blocks attention computes (``causal_fraction``), bias
     gradients and q's scaling.
-    numba (hpctrain's fused kernels, ``hpctrain.nn.fused``: one read of each input and
-    one write of each output, a row in cache between its passes): LayerNorm 3 and 6
-    (the backward's kernel 3, its weight and bias gradients 3, NumPy's), GELU 3 and 4,
-    the causal softmax a read of the half and a write of the whole, its backward 3 of
-    the blocks; the rest as numpy.
+    numba (hpctrain's fused kernels, ``hpctrain.nn.fused``): each kernel one read of its
+    inputs and one write of its outputs, but not all at the memory's speed (GELU's
+    forward computes an exp an element), so the counts are NumPy's scaled by the time
+    of each numba kernel over NumPy's, measured side by side (``bench_fused.py``,
+    float32, 2 threads, 2026-12-04 21:56: GELU 2.38/3.59 and 1.74/5.28 ms, LayerNorm
+    0.46/2.16 and 0.42/1.78, softmax 3.12/5.50 and 1.06/2.90): LayerNorm 2.1 and 6.5
+    (the backward's kernel 3.5, its weight and bias gradients 3, NumPy's), GELU 12.6
+    and 6.6, the causal softmax 1.4 of the whole scores and its backward 2.6 of the
+    blocks; the rest as numpy.
     fused (Megatron's GPU kernels, one read and one write each): LayerNorm 2 and 3 of
     (N, C) twice, bias-dropout-add 3.5 and 2.5 twice (the mask a byte), bias-GELU 2
     and 3 of (N, F/t), scale-mask-softmax 2 and 3 of (b, H/t, T, T) and its dropout
@@ -238,7 +243,7 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
     # LayerNorm, GELU and softmax passes: (forward, backward) counts of (N, C),
     # (N, F/t) and the scores (the backward's of the blocks attention computes)
     ln, gelu, soft = {"numpy": ((10, 18), (19, 20), (2.5, 7)),
-                      "numba": ((3, 6), (3, 4), (1.5, 3))}[kernels]
+                      "numba": ((2.1, 6.5), (12.6, 6.6), (1.4, 2.6))}[kernels]
     fwd = 2 * ln[0] * rows * c + 2 * 3 * rows * c + gelu[0] * n * f // tp \
         + soft[0] * scores + 2 * n * c // tp
     bwd = 2 * ln[1] * rows * c + 2 * 3 * rows * c + gelu[1] * n * f // tp \
@@ -250,13 +255,14 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
 def head_stream_bytes(m: ModelConfig, b: int, tp: int, kernels: str,
                       s: int | None = None) -> tuple[float, float]:
     """numpy: LayerNorm 10 and 18 passes of (N, C), the loss 8 and 6 of (N, V/t);
-    numba: LayerNorm 3 and 6, the loss as numpy; fused: 2 and 3, and the
+    numba: LayerNorm 2.1 and 6.5 (``block_stream_bytes``), the loss as numpy; fused: 2
+    and 3, and the
     vocabulary-parallel cross-entropy 4 and 3."""
     s, n = s or mem.itemsize(m), b * m.seq_len
     if kernels == "fused":
         return s * (2 * n * m.d_model + 4 * n * m.vocab_size // tp), \
             s * (3 * n * m.d_model + 3 * n * m.vocab_size // tp)
-    ln = (3, 6) if kernels == "numba" else (10, 18)
+    ln = (2.1, 6.5) if kernels == "numba" else (10, 18)
     return s * (ln[0] * n * m.d_model + 8 * n * m.vocab_size // tp), \
         s * (ln[1] * n * m.d_model + 6 * n * m.vocab_size // tp)
 
