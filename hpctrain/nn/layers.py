@@ -170,7 +170,9 @@ class LayerNorm(Module):
 
 
 # ---------------------------------------------------------------------------------
-# GELU (tanh approximation, as in GPT-2)
+# GELU (tanh approximation, as in GPT-2; its kernels in hpctrain.nn.kernels)
+
+
 class GELUCache(NamedTuple):
     x: np.ndarray  # (...) input
     s: np.ndarray  # (...) sigmoid(2 u) = (1 + tanh(u)) / 2, u = k (x + a x^3)
