@@ -158,7 +158,9 @@ def test_chain_runs_train_after_prep_and_exit_codes_propagate(cluster, tmp_path)
 
 def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster, text_data,
                                                                         tmp_path):
-    steps = 600  # seconds of training: the signal lands mid-run, after step 8
+    # about 10 s of training at the tiny model's 5 ms a step, so that the signal, sent
+    # after step 8, lands mid-run (600 steps, 3 s, once lost that race under load)
+    steps = 2000
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_GPT.format(steps=steps, data=text_data))
     common = [f"--chdir={tmp_path}", "--nodes=2", "--ntasks-per-node=2"]
@@ -176,6 +178,8 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
         fields = job_fields(cluster, job)
         if fields.get("Restarts") == "1" and fields.get("JobState") == "COMPLETED":
             break
+        assert not (fields.get("Restarts") == "0" and fields.get("JobState") == "COMPLETED"), \
+            "the run finished before the signal landed: " + job_report(cluster, job)
         assert time.monotonic() < deadline, job_report(cluster, job)
         assert fields.get("JobState") not in ("FAILED", "CANCELLED"), job_report(cluster, job)
         time.sleep(1)
