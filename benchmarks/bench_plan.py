@@ -23,12 +23,12 @@ float32 arrays, all ranks at once, the median of 8 samples of 40 passes) at 1 an
 ranks, which ``hpctrain calibrate`` does not; ``compare`` adds it to the cluster
 description it reads when the file has none. ``compare`` prints predicted against
 measured per layout, the median and worst step-time error, Spearman's rank
-correlation, and whether the predicted best is the measured best. ``measure --nodes
-N`` brings up
-``N`` one-core nodes (``hpctrain cluster``: links shaped at ``--link``, UCX over TCP on
-them), runs ``ON_NODES[N]`` one rank a node (one BLAS thread; serial on the first node
-alone) and removes the cluster; ``load.json`` keeps, per layout, the load average
-before and after, the bytes node 0 sent over its link and the cores each node got.
+correlation, and whether the predicted best is the measured best.
+``measure --nodes N`` brings up ``N`` one-core nodes (``hpctrain cluster``: links
+shaped at ``--link``, UCX over TCP on them), runs ``ON_NODES[N]`` one rank a node (one
+BLAS thread; serial on the first node alone) and removes the cluster; ``load.json``
+keeps, per layout, the load average before and after, the bytes node 0 sent over its
+link and the cores each node got.
 ``compare --nodes N`` compares those layouts, serial against the description cut to
 one node. ``published`` prints the predictions for Megatron-LM's published runs
 on A100 nodes against their published teraFLOP/s per GPU (``hpctrain/plan/published.py``;

@@ -19,10 +19,9 @@ loops (AVX-512 where the CPU has it).
 
 Each kernel has the name and signature of the NumPy kernel it replaces
 (``hpctrain.nn.kernels``, which also says which set runs) and works on the same
-blocks of rows: the
-element-wise threads (``threads.over_rows``) still split the rows, and the kernels
-release the GIL (``nogil``), so the blocks run at once on the rank's cores and the
-thread count stays the one ``runtime.set_blas_threads`` gave BLAS. numba's own
+blocks of rows: the element-wise threads (``threads.over_rows``) still split the
+rows, and the kernels release the GIL (``nogil``), so the blocks run at once on the
+rank's cores and the thread count stays the one ``runtime.set_blas_threads`` gave BLAS. numba's own
 ``parallel=True`` pool would be a second pool beside BLAS's, one that must not be
 launched from inside attention's threads, and it was about as fast (0-0.1 ms a call
 faster with its workqueue layer, slower with its OpenMP one: ``benchmarks/bench_fused.py``).

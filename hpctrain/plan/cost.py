@@ -71,6 +71,11 @@ GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
 # hpctrain's numba AdamW: one read of p, g, m, v and one write of p, m, v
 NUMBA_OPT_PASSES = {**OPT_PASSES, "adamw": 7}
+# hpctrain's element-wise kernels, (forward, backward) passes of LayerNorm over (N, C),
+# GELU over (N, F/t) and the causal softmax over the scores (block_stream_bytes says
+# where each count comes from)
+HPCTRAIN_PASSES = {"numpy": ((10, 18), (19, 20), (2.5, 7)),
+                   "numba": ((2.1, 6.5), (12.6, 6.6), (1.4, 2.6))}
 GRAD_PASSES = 3  # norm (read), clip (read, write)
 RECOMPUTE = recompute_modes.MODES  # the modes train runs (parallel/recompute.py)
 KERNELS = ("numpy", "numba", "fused")
@@ -242,8 +247,7 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
         return s * fwd, s * bwd, s * 4.5 * scores
     # LayerNorm, GELU and softmax passes: (forward, backward) counts of (N, C),
     # (N, F/t) and the scores (the backward's of the blocks attention computes)
-    ln, gelu, soft = {"numpy": ((10, 18), (19, 20), (2.5, 7)),
-                      "numba": ((2.1, 6.5), (12.6, 6.6), (1.4, 2.6))}[kernels]
+    ln, gelu, soft = HPCTRAIN_PASSES[kernels]
     fwd = 2 * ln[0] * rows * c + 2 * 3 * rows * c + gelu[0] * n * f // tp \
         + soft[0] * scores + 2 * n * c // tp
     bwd = 2 * ln[1] * rows * c + 2 * 3 * rows * c + gelu[1] * n * f // tp \
@@ -254,15 +258,14 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
 
 def head_stream_bytes(m: ModelConfig, b: int, tp: int, kernels: str,
                       s: int | None = None) -> tuple[float, float]:
-    """numpy: LayerNorm 10 and 18 passes of (N, C), the loss 8 and 6 of (N, V/t);
-    numba: LayerNorm 2.1 and 6.5 (``block_stream_bytes``), the loss as numpy; fused: 2
-    and 3, and the
-    vocabulary-parallel cross-entropy 4 and 3."""
+    """numpy and numba: LayerNorm's passes of (N, C) as in ``block_stream_bytes``, the
+    loss 8 and 6 of (N, V/t); fused: 2 and 3, and the vocabulary-parallel cross-entropy
+    4 and 3."""
     s, n = s or mem.itemsize(m), b * m.seq_len
     if kernels == "fused":
         return s * (2 * n * m.d_model + 4 * n * m.vocab_size // tp), \
             s * (3 * n * m.d_model + 3 * n * m.vocab_size // tp)
-    ln = (2.1, 6.5) if kernels == "numba" else (10, 18)
+    ln = HPCTRAIN_PASSES[kernels][0]
     return s * (ln[0] * n * m.d_model + 8 * n * m.vocab_size // tp), \
         s * (ln[1] * n * m.d_model + 6 * n * m.vocab_size // tp)
 
