@@ -218,9 +218,10 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
         save_async()  # the snapshot buffers page in: not the steady state
         background.wait()
         out = {k: [] for k in ("diff", "plain", "after", "call", "wait", "copy", "write",
-                               "steps", "unfinished")}
+                               "steps", "unfinished", "cpu")}
         for _ in range(pairs):
             writer.wait_for_pruning()
+            cpu0 = time.process_time()
             call = timed(comm, save_async)
             after, n = 0.0, 0
             while n < MAX_AFTER:
@@ -231,9 +232,12 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
             out["unfinished"].append(bool(comm.allreduce(background.writing, op=MPI.LOR)))
             out["wait"].append(comm.allreduce(background.capture_wait_s, op=MPI.MAX))
             background.wait()
+            cpu1 = time.process_time()
             out["copy"].append(comm.allreduce(background.copy_s, op=MPI.MAX))
             out["write"].append(comm.allreduce(background.write_s, op=MPI.MAX))
             plain = sum(timed(comm, step) for _ in range(n))
+            out["cpu"].append(comm.allreduce((cpu1 - cpu0) - (time.process_time() - cpu1),
+                                             op=MPI.MAX))
             out["diff"].append(call + after - plain)
             out["plain"].append(plain / n)
             out["after"].append(after / n)
@@ -275,7 +279,8 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
               f"{max(r['steps'])} (unfinished after {MAX_AFTER}: "
               f"{sum(r['unfinished'])}), save call {med(r['call']):.4f} s, wait in "
               f"before_update {med(r['wait']):.4f} s; in the background: snapshot "
-              f"{med(r['copy']):.3f} s, whole write {med(r['write']):.3f} s")
+              f"{med(r['copy']):.3f} s, whole write {med(r['write']):.3f} s; extra CPU of "
+              f"the process {med(r['cpu']):.3f} s (the slowest rank)")
         print(f"blocksum64  {t_sum:7.3f} s  {loaded / mb / t_sum:8.1f} MB/s   (the checksum, of "
               f"what a load reads, once: part of both save and load)")
         print(f"sha256      {t_sha:7.3f} s  {loaded / mb / t_sha:8.1f} MB/s   (the checksum "

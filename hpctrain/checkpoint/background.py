@@ -4,8 +4,9 @@
 thread, ``save`` waits for the previous write (at most one is in flight), plans the
 save (``writer.plan``, collective over the world communicator, kept from one save to
 the next) and starts a thread. The thread copies into memory the arrays this rank
-writes (the *snapshot*), then runs ``writer.write_planned`` on the copies: the rank
-files, their checksums and finite check, their fsync and rank 0's commit (index,
+writes (the *snapshot*; with numba each copy's checksum and finite check are taken in
+the same pass, ``copysum.py``), then runs ``writer.write_planned`` on the copies: the
+rank files, the checks not yet taken, their fsync and rank 0's commit (index,
 rename, ``latest``), its collectives over ``ckpt_comm``, a communicator of its own,
 so they never meet the training's collectives (MPI must provide
 ``MPI_THREAD_MULTIPLE``, mpi4py's default request)::
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.checkpoint import direct, writer
+from hpctrain.checkpoint import copysum, direct, writer
 from hpctrain.checkpoint.format import step_dirname
 from hpctrain.checkpoint.state import Held
 from hpctrain.checkpoint.writer import POLL_S as POLL_S  # re-exported
@@ -67,6 +68,7 @@ class BackgroundWriter:
                                    "(without --async-save)")
         self.comm = comm
         self.overlap = overlap
+        copysum.load()  # numba's machine code now, not in the first snapshot
         self._thread: threading.Thread | None = None
         self._snapshot_taken: threading.Event | None = None
         self._outcome: tuple[Path | None, BaseException | None] = (None, None)
@@ -119,15 +121,19 @@ class BackgroundWriter:
             taken.wait()
             self.capture_wait_s += time.perf_counter() - t0
 
-    def _snapshot(self, held: list[Held], planned: writer.Plan,
-                  taken: threading.Event) -> list[Held]:
-        """Copies of the arrays holding a piece this rank writes; ``taken`` is set when
-        done, whatever happens. The copies of each dtype lie one after another in one
-        page-aligned buffer, in the order the rank file stores them, so that, where
-        each piece is a whole array, the write goes from there to the disk with
-        ``O_DIRECT`` (``direct.py``) and no other copy. The buffers are kept for the
-        next save (no page faults after the first)."""
+    def _snapshot(self, held: list[Held], planned: writer.Plan, taken: threading.Event,
+                  finite: bool) -> tuple[list[Held], dict]:
+        """Copies of the arrays holding a piece this rank writes, and the checks of each
+        copy (``writer.known_key`` -> its blocksum64 and finite verdict: ``copysum``
+        takes them in the copy's pass); ``taken`` is set when done, whatever happens.
+        The copies of each dtype lie one after another in one page-aligned buffer, in
+        the order the rank file stores them, so that, where each piece is a whole
+        array, the write goes from there to the disk with ``O_DIRECT`` (``direct.py``)
+        and no other copy. The buffers are kept for the next save (no page faults
+        after the first)."""
         t0 = time.perf_counter()
+        known: dict = {}
+        fused = copysum.fused()  # else writer.checks sums the buffer in a few NumPy calls
         try:
             by_name = {h.name: h for h in held}
             order = list(dict.fromkeys(name for name, _ in planned.todo))
@@ -144,10 +150,14 @@ class BackgroundWriter:
                 for h in group:
                     copy = buf[at:at + h.array.nbytes].view(h.array.dtype).reshape(
                         h.array.shape)
-                    np.copyto(copy, h.array)
+                    if fused and h.array.flags.c_contiguous:  # copied, summed, tested
+                        known[writer.known_key(copy)] = copysum.copy_checked(
+                            h.array, copy, finite)
+                    else:
+                        np.copyto(copy, h.array)
                     out.append(Held(h.name, copy, h.sharding))
                     at += h.array.nbytes
-            return out
+            return out, known
         finally:
             self.copy_s = time.perf_counter() - t0
             taken.set()
@@ -161,7 +171,7 @@ class BackgroundWriter:
                                          keep=keep, on_event=on_event, say=say,
                                          catch=(Exception,), finite=finite,
                                          capture=lambda: self._snapshot(held, planned,
-                                                                        taken),
+                                                                        taken, finite),
                                          arrive=lambda: arrive(self.comm), io=io)
             self._outcome = (final, None)
         except BaseException as err:  # a CheckpointError on every rank, raised by wait()

@@ -91,6 +91,7 @@ class CheckpointError(DataError):
 
 
 _BLOCK_WORDS = 512  # blocksum64's block: 4 KiB, a page
+BLOCK_BYTES = 8 * _BLOCK_WORDS
 _MASK = (1 << 64) - 1
 
 
@@ -106,6 +107,15 @@ def blocksum64(a: np.ndarray) -> str:
     last = int(np.frombuffer(tail, "<u8").sum(dtype=np.uint64)) if tail else 0
     total = (int(sums.sum(dtype=np.uint64)) + last) & _MASK
     weighted = (int(np.dot(sums, _weights(n_blocks))) + (n_blocks + 1) * last) & _MASK
+    return f"{total:016x}{weighted:016x}"
+
+
+def blocksum64_of_sums(sums: np.ndarray) -> str:
+    """The ``blocksum64`` of a piece from its block sums (uint64, one per block of
+    ``BLOCK_BYTES``, the last one partial and its last word zero-padded:
+    ``copysum``'s), as ``blocksum64`` gives it."""
+    total = int(sums.sum(dtype=np.uint64)) & _MASK
+    weighted = int(np.dot(sums, _weights(sums.size))) & _MASK if sums.size else 0
     return f"{total:016x}{weighted:016x}"
 
 

@@ -28,8 +28,9 @@ alike (``background.BackgroundWriter`` runs the plan on the training thread and
    second a ``NonFiniteState`` on every rank, after rank 0 removed ``step-N.tmp/``.
    Only the pieces a rank writes are checked, so each value of the checkpoint is
    checked once, by its writer, off the critical path (a replica is never written).
-   Pieces that lie back to back in one buffer (the background writer's snapshot)
-   are checked per dtype in a few NumPy calls (``checks``), not 231 pairs of calls.
+   The background writer's snapshot comes with its checks, taken during its copy
+   (``copysum.py``, numba); without numba its pieces, lying back to back in one
+   buffer, are checked per dtype in a few NumPy calls (``checks``), not 231 pairs.
    A rank that waits for the others before a collective sleeps in a polled
    non-blocking barrier (``arrive``), so that it leaves its core to the ranks still
    writing and checking when ranks share cores (dp = 2 on this 2-core machine).
@@ -314,16 +315,30 @@ def write_flat(path: Path, fd: int, arrays: list[np.ndarray], offset: int) -> No
     pwrite_all(fd, arrays, offset)
 
 
-def checks(datas: list[np.ndarray], finite: bool) -> tuple[list[str], list[int]]:
+def known_key(a: np.ndarray) -> tuple[int, int, str]:
+    """What identifies an array's bytes among those checked before the write (the
+    background writer's snapshot, ``copysum``): address, length, dtype."""
+    return a.ctypes.data, a.nbytes, a.dtype.str
+
+
+def checks(datas: list[np.ndarray], finite: bool,
+           known: dict | None = None) -> tuple[list[str], list[int]]:
     """Each array's blocksum64, and (``finite``) the positions of the non-finite ones.
-    The arrays of a dtype that lie back to back in one buffer (the background
-    writer's snapshot, ``direct._span``) are checked whole, in a few NumPy calls
-    (``format.blocksum64_packed``, one finite test of the buffer, per piece only if
-    it fails); the others one at a time."""
+    ``known``: checks already taken (``known_key`` -> (blocksum64, finite)), used for
+    the arrays they name. The other arrays of a dtype that lie back to back in one
+    buffer (the background writer's snapshot without numba, ``direct._span``) are
+    checked whole, in a few NumPy calls (``format.blocksum64_packed``, one finite
+    test of the buffer, per piece only if it fails); the rest one at a time."""
     sums: list[str | None] = [None] * len(datas)
     bad = []
     groups: dict[str, list[int]] = {}
     for k, d in enumerate(datas):
+        done = known.get(known_key(d)) if known else None
+        if done is not None:
+            sums[k] = done[0]
+            if finite and not done[1]:
+                bad.append(k)
+            continue
         groups.setdefault(d.dtype.str, []).append(k)
     for ks in groups.values():
         ks = [k for k in ks if datas[k].nbytes]
@@ -344,11 +359,13 @@ def checks(datas: list[np.ndarray], finite: bool) -> tuple[list[str], list[int]]
 
 
 def _write_rank_file(path: Path, arrays: dict[str, np.ndarray], todo: tuple, step: int,
-                     rank: int, on_event, finite: bool) -> tuple[list, list[str]]:
+                     rank: int, on_event, finite: bool,
+                     known: dict | None = None) -> tuple[list, list[str]]:
     """This rank's pieces in the flat datasets of a data file: the structure through
     HDF5, the bytes straight to their offsets, fsync'ed; returns the piece table and
     (``finite``) the tensors with a non-finite piece. The checksums and the finite
-    check run in a second thread while the bytes go to the disk."""
+    check (those ``known`` lacks: ``checks``) run in a second thread while the bytes
+    go to the disk."""
     items = [(name, seg.box, region(arrays[name], seg)) for name, seg in todo]
     datas = [v if v.flags.c_contiguous else np.ascontiguousarray(v) for _, _, v in items]
     sizes, ats = flat_layout([(d.dtype.str, d.size) for d in datas])
@@ -356,7 +373,7 @@ def _write_rank_file(path: Path, arrays: dict[str, np.ndarray], todo: tuple, ste
     fd = os.open(path, os.O_WRONLY)  # HDF5 wrote its metadata, we write the raw bytes
     try:
         with ThreadPoolExecutor(1) as pool:
-            checked = pool.submit(checks, datas, finite)  # beside the writes
+            checked = pool.submit(checks, datas, finite, known)  # beside the writes
             for dtype, offset in offsets.items():
                 write_flat(path, fd, [d for d in datas if d.dtype.str == dtype], offset)
             os.fsync(fd)  # the file's data and HDF5's metadata
@@ -620,29 +637,33 @@ def save(root: str | Path, step: int, held: list[Held], meta: dict, comm, *, sta
 def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, meta: dict,
                   comm, *, keep: int = 3, on_event=None, say=print,
                   catch: tuple = (OSError, DataError), finite: bool = False,
-                  capture: Callable[[], list[Held]] | None = None,
+                  capture: Callable[[], tuple[list[Held], dict]] | None = None,
                   arrive: Callable[[], None] | None = None, io: str = "auto") -> Path:
     """Phases 2 to 4 of a save planned by ``plan`` (over a communicator of the same
     ranks as ``comm``); ``catch``: the errors turned into a CheckpointError on every
     rank; ``finite``: refuse a non-finite state (``NonFiniteState`` on every rank,
     ``step-N.tmp`` removed); ``capture``: called first (its errors reported with
-    phase 2's) to give the arrays to write instead of ``held``; ``arrive``: called
+    phase 2's) to give the arrays to write instead of ``held``, and the checks
+    already taken of them (``checks``' ``known``); ``arrive``: called
     before each collective (``arrive``: wait without spinning a core);
     ``io``: ``shared_file``'s choice. Collective over ``comm``."""
     root, rank, size = Path(root), comm.Get_rank(), comm.Get_size()
     shared = shared_file(io, size)  # the same on every rank: raises on every rank
     arrive = arrive if arrive is not None and size > 1 else (lambda: None)
     tmp = root / f"{step_dirname(step)}.tmp"
-    arrays = {}
+    arrays, known = {}, {}
 
     def start():
-        arrays.update((h.name, h.array) for h in (capture() if capture else held))
+        taken, checked = capture() if capture else (held, {})
+        arrays.update((h.name, h.array) for h in taken)
+        known.update(checked)
         return prepare(root, step, say) if rank == 0 else None
 
     all_ranks(comm, start, f"preparing {tmp}", catch, arrive)
     error, (pieces, bad) = None, ([], [])
     try:
-        pieces, bad = _write(tmp, arrays, planned, step, comm, on_event, finite, shared)
+        pieces, bad = _write(tmp, arrays, planned, step, comm, on_event, finite, shared,
+                             known)
     except catch as err:
         error = str(err) or type(err).__name__
     arrive()
@@ -670,7 +691,7 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
 
 
 def _write(tmp: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int, comm,
-           on_event, finite: bool, shared: bool) -> tuple[list, list[str]]:
+           on_event, finite: bool, shared: bool, known: dict) -> tuple[list, list[str]]:
     """This rank's pieces and non-finite tensors: into the shared file (``shared``:
     parallel HDF5), else its own file (none if it writes nothing)."""
     if shared:
@@ -679,4 +700,4 @@ def _write(tmp: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int, c
     if not planned.todo:
         return [], []
     return _write_rank_file(tmp / data_filename(comm.Get_rank()), arrays, planned.todo,
-                            step, comm.Get_rank(), on_event, finite)
+                            step, comm.Get_rank(), on_event, finite, known)
