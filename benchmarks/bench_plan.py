@@ -1,7 +1,7 @@
 """The planner's predictions against measured steps of the benchmark GPT on this machine.
 
     python benchmarks/bench_plan.py stream --out runs/plan          element-wise rate
-    python benchmarks/bench_plan.py measure --out runs/plan         every layout, timed
+    python benchmarks/bench_plan.py measure --out runs/plan --rounds 3  every layout, timed
     python benchmarks/bench_plan.py compare --out runs/plan --cluster FILE.toml
     python benchmarks/bench_plan.py published                       Megatron on Selene
     python benchmarks/bench_plan.py scale                           the planner's own speed
@@ -14,14 +14,19 @@
     python benchmarks/bench_plan.py compare --nodes 2 --out runs/plan-emu2 \
         --cluster configs/clusters/emulated-2x1gbit.toml
 
-``measure`` runs each layout (``LAYOUTS``) twice as its own MPI job: once timed
-(``--steps`` steps, the median ``step_time_s`` after ``--warmup``), once with
+``measure`` runs each layout (``LAYOUTS``) as its own MPI job, timed (``--steps``
+steps, the median ``step_time_s`` after ``--warmup``) in each of ``--rounds`` rounds,
+and once with
 ``tracemalloc`` (3 steps; the peak of the traced NumPy and Python allocations of each
 rank over a steady step, the largest rank's; tracing slows the step, so it is not
 timed). ``stream`` measures a rank's element-wise bytes/s (``a + b -> c`` on 64 MiB
 float32 arrays, all ranks at once, the median of 8 samples of 40 passes) at 1 and 2
 ranks, which ``hpctrain calibrate`` does not; ``compare`` adds it to the cluster
-description it reads when the file has none. ``compare`` prints predicted against
+description it reads when the file has none. A round visits every layout, in turn,
+the next round in the reverse order: this machine drifts by 3-10% from one minute to
+the next, more than layouts lie apart, so one pass orders close layouts by when they
+ran; over rounds each layout's time is the median of its rounds' medians, and the
+rounds' range is printed beside it. ``compare`` prints predicted against
 measured per layout, the median and worst step-time error, Spearman's rank
 correlation, and whether the predicted best is the measured best.
 ``measure --nodes N`` brings up ``N`` one-core nodes (``hpctrain cluster``: links
@@ -111,7 +116,14 @@ def layout_config(name: str, steps: int, run_dir: str, threads: int = 0):
 # MPI workers
 
 
-def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0) -> None:
+def run_dir_of(out: str, name: str, tag: str, round_: int = 1) -> Path:
+    """Where a worker's run writes: ``{name}-memory``, ``{name}-time`` (round 1) and
+    ``{name}-time-rK`` (round K > 1)."""
+    return Path(out) / (f"{name}-{tag}" + (f"-r{round_}" if round_ > 1 else ""))
+
+
+def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0,
+           round_: int = 1) -> None:
     import tracemalloc
 
     from mpi4py import MPI
@@ -120,8 +132,7 @@ def worker(name: str, out: str, steps: int, memory: bool, threads: int = 0) -> N
     from hpctrain.train import train
 
     comm = MPI.COMM_WORLD
-    tag = "memory" if memory else "time"
-    run_dir = str(Path(out) / f"{name}-{tag}")
+    run_dir = str(run_dir_of(out, name, "memory" if memory else "time", round_))
     cfg = layout_config(name, 3 if memory else steps, run_dir, threads)
     hook = None
     if memory:
@@ -169,31 +180,41 @@ def launch(ranks: int, args: list[str], timeout: float = 900, cluster=None) -> N
     subprocess.run(cmd, check=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None) -> None:
-    """Each layout timed, then traced for memory; ``load.json`` records the 1-minute
-    load average before and after each layout (and on a cluster what node 0's switch
-    port counted leaving it during the timed run)."""
+def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None,
+            rounds: int = 1) -> None:
+    """Each layout timed in each of ``rounds`` rounds (every layout in turn, the order
+    reversed from one round to the next), and traced for memory in the first;
+    ``load.json`` records the 1-minute load average before and after each layout's
+    runs (and on a cluster what node 0's switch port counted leaving it during the
+    first timed run, and the cores each node got)."""
+    if rounds < 1:
+        raise ValueError(f"rounds ({rounds}) must be at least 1")
     Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(out) / "load.json"
     loads = json.loads(path.read_text()) if path.exists() else {}
-    for name in names:
-        ranks = LAYOUTS[name][0]
-        before = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        port0, cpu0 = _port_bytes(cluster), _node_cpu_s(cluster)
-        launch(ranks, ["worker", name, "--out", out, "--steps", str(steps)], cluster=cluster)
-        wall = time.perf_counter() - t0
-        sent = _port_bytes(cluster) - port0
-        cores = [(b - a) / wall for a, b in zip(cpu0, _node_cpu_s(cluster), strict=True)]
-        launch(ranks, ["worker", name, "--out", out, "--memory"], cluster=cluster)
-        loads[name] = {"load": [before, os.getloadavg()[0]], "port_bytes": sent,
-                       "cores_got": cores[:ranks]}
-        path.write_text(json.dumps(loads, indent=2))
-        print(f"{name}: {time.perf_counter() - t0:.0f} s (load {before:.2f} before, "
-              f"{os.getloadavg()[0]:.2f} after"
-              + (f"; node 0 sent {sent / 1e6:.1f} MB over its link; the nodes got "
-                 f"{'/'.join(f'{c:.2f}' for c in cores[:ranks])} cores)" if cluster else ")"),
-              flush=True)
+    for k in range(1, rounds + 1):
+        for name in names if k % 2 else names[::-1]:
+            ranks = LAYOUTS[name][0]
+            before = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            port0, cpu0 = _port_bytes(cluster), _node_cpu_s(cluster)
+            launch(ranks, ["worker", name, "--out", out, "--steps", str(steps),
+                           "--round", str(k)], cluster=cluster)
+            wall = time.perf_counter() - t0
+            sent = _port_bytes(cluster) - port0
+            cores = [(b - a) / wall for a, b in zip(cpu0, _node_cpu_s(cluster), strict=True)]
+            if k == 1:
+                launch(ranks, ["worker", name, "--out", out, "--memory"], cluster=cluster)
+                loads[name] = {"load": [before, os.getloadavg()[0]], "port_bytes": sent,
+                               "cores_got": cores[:ranks]}
+            else:
+                loads[name]["load"] += [before, os.getloadavg()[0]]
+            path.write_text(json.dumps(loads, indent=2))
+            print(f"round {k}/{rounds}, {name}: {time.perf_counter() - t0:.0f} s (load "
+                  f"{before:.2f} before, {os.getloadavg()[0]:.2f} after"
+                  + (f"; node 0 sent {sent / 1e6:.1f} MB over its link; the nodes got "
+                     f"{'/'.join(f'{c:.2f}' for c in cores[:ranks])} cores)"
+                     if cluster else ")"), flush=True)
 
 
 def _port_bytes(cluster) -> int:
@@ -216,7 +237,7 @@ def _node_cpu_s(cluster) -> list[float]:
 
 
 def measure_on_nodes(out: str, steps: int, warmup: int, names: list[str], nodes: int,
-                     link: str) -> None:
+                     link: str, rounds: int = 1) -> None:
     """``measure`` on an emulated cluster of ``nodes`` one-core nodes at ``link``, brought
     up for the run and removed after it, pass or fail (root)."""
     from hpctrain.cluster import lifecycle
@@ -228,18 +249,28 @@ def measure_on_nodes(out: str, steps: int, warmup: int, names: list[str], nodes:
     spec = spec_mod.uniform(nodes, cores=1, cpu_share=share, link=link, name=CLUSTER_NAME,
                             subnet=SUBNET)
     with lifecycle.running(spec, log=lambda text: print(text, file=sys.stderr)) as cl:
-        measure(out, steps, warmup, names, cl)
+        measure(out, steps, warmup, names, cl, rounds)
 
 
-def measured(out: str, name: str, warmup: int) -> tuple[float, float]:
+def measured(out: str, name: str, warmup: int) -> tuple[float, float, list[float]]:
+    """A layout's step time (the median over its rounds of each round's median step
+    after ``warmup``), its peak memory, and each round's step time."""
     from hpctrain.metrics import read_metrics
 
-    steps = [r for r in read_metrics(Path(out) / f"{name}-time" / "metrics.jsonl")
-             if "loss" in r and r["step"] > warmup]
-    mem = [r for r in read_metrics(Path(out) / f"{name}-memory" / "metrics.jsonl")
+    per_round = []
+    k = 1
+    while (run := run_dir_of(out, name, "time", k) / "metrics.jsonl").exists():
+        steps = [r["step_time_s"] for r in read_metrics(run)
+                 if "loss" in r and r["step"] > warmup]
+        per_round.append(statistics.median(steps))
+        k += 1
+    if not per_round:
+        raise FileNotFoundError(f"{run_dir_of(out, name, 'time')}: no timed run of {name} "
+                                f"(bench_plan.py measure --out {out})")
+    mem = [r for r in read_metrics(run_dir_of(out, name, "memory") / "metrics.jsonl")
            if "loss" in r and r["step"] > 1]
-    return (statistics.median(r["step_time_s"] for r in steps),
-            max(max(r["peak_bytes_per_rank"]) for r in mem))
+    return (statistics.median(per_round), max(max(r["peak_bytes_per_rank"]) for r in mem),
+            per_round)
 
 
 def with_stream(cluster, out: str):
@@ -292,7 +323,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     rows, pred, meas = [], [], []
     path = Path(out) / "load.json"
     loads = json.loads(path.read_text()) if path.exists() else {}
-    got = any("cores_got" in loads.get(n, {}) for n in names)
+    got = any(loads.get(n, {}).get("cores_got") for n in names)  # only on a cluster
     head = ("| layout | ranks | predicted ms | measured ms | error | predicted MiB | "
             "measured MiB | error | largest predicted terms |" + (" cores got |" if got else ""))
     lines = [head, "|" + "---|" * (10 if got else 9)]
@@ -301,14 +332,16 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
         cfg = layout_config(name, 1, "/tmp/unused")
         cluster = first_nodes(whole, ranks)
         e = estimate(cfg, cluster)
-        step, peak = measured(out, name, warmup)
+        step, peak, rounds = measured(out, name, warmup)
         err, merr = e.step_s / step - 1, e.max_memory / peak - 1
         pred.append(e.step_s)
         meas.append(step)
         rows.append((name, err, merr))
         top = sorted(e.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
-        lines.append(f"| {name} | {ranks} | {1e3 * e.step_s:.0f} | {1e3 * step:.0f} | "
+        spread = (f" ({1e3 * min(rounds):.0f}-{1e3 * max(rounds):.0f})"
+                  if len(rounds) > 1 else "")
+        lines.append(f"| {name} | {ranks} | {1e3 * e.step_s:.0f} | {1e3 * step:.0f}{spread} | "
                      f"{100 * err:+.1f}% | {e.max_memory / 2**20:.0f} | {peak / 2**20:.0f} | "
                      f"{100 * merr:+.1f}% | {terms} |"
                      + (" " + "/".join(f"{c:.2f}" for c in loads.get(name, {}).get(
@@ -414,6 +447,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure: time every layout in this many rounds, the order "
+                             "reversed each round (compare reads the rounds there are)")
+    parser.add_argument("--round", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0,
                         help="worker: BLAS and element-wise threads a rank (0: the default)")
     parser.add_argument("--nodes", type=int, choices=sorted(ON_NODES), default=None,
@@ -427,11 +464,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     names = args.layouts.split(",") if args.layouts else \
         (ON_NODES[args.nodes] if args.nodes else ON_THIS_MACHINE)
+    if args.rounds < 1:
+        parser.error(f"--rounds ({args.rounds}) must be at least 1")
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
     if args.what == "worker":
-        worker(args.layout, args.out, args.steps, args.memory, args.threads)
+        worker(args.layout, args.out, args.steps, args.memory, args.threads, args.round)
     elif args.what == "stream-worker":
         stream_worker(args.out)
     elif args.what == "stream":
@@ -449,9 +488,10 @@ def main(argv: list[str] | None = None) -> None:
         too_many = [n for n in names if LAYOUTS[n][0] > args.nodes]
         if too_many:
             parser.error(f"layout(s) {too_many} need more than --nodes ({args.nodes}) ranks")
-        measure_on_nodes(args.out, args.steps, args.warmup, names, args.nodes, args.link)
+        measure_on_nodes(args.out, args.steps, args.warmup, names, args.nodes, args.link,
+                         args.rounds)
     elif args.what == "measure":
-        measure(args.out, args.steps, args.warmup, names)
+        measure(args.out, args.steps, args.warmup, names, rounds=args.rounds)
     else:
         print(compare(args.out, args.cluster or "configs/clusters/this-machine.toml",
                       args.warmup, names))

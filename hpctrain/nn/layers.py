@@ -78,7 +78,7 @@ class Linear(Module):
         # layer, whose input needs no gradient: saves one of the three GEMMs)
         x = cache.x.reshape(-1, cache.x.shape[-1])  # (N, in)
         dy = dy.reshape(-1, dy.shape[-1])  # (N, out)
-        self.weight.grad += x.T @ dy  # (in, out)
+        self.weight.add_product(x.T, dy)  # += x^T dy (in, out); = when it is zero
         if self.bias is not None:
             self.bias.grad += dy.sum(axis=0)  # (out,)
         if not need_dx:

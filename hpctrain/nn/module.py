@@ -32,24 +32,45 @@ class Parameter:
     is first read, not in the constructor: a model handed to a wrapper that brings
     gradient buffers of its own (data parallelism's flat buckets, ZeRO's shards) never
     holds a second whole copy of itself while it is built.
+
+    ``add_product(a, b)`` is ``grad += a @ b`` (a weight gradient), written straight
+    into ``grad`` when the gradient is known to be zero: unallocated, or untouched
+    since ``zero_grad``. Any read of ``grad`` forgets that it is zero, so whatever
+    else changes it (``+=`` reads it first) makes the next product add again.
     """
 
-    __slots__ = ("data", "_grad")
+    __slots__ = ("data", "_grad", "_zero")
 
     def __init__(self, data: np.ndarray):
         self.data = np.ascontiguousarray(data)
         self._grad = _Unallocated(self.data.shape, self.data.dtype)
+        self._zero = False  # _grad holds zeros that nothing has read since
 
     @property
     def grad(self):
         g = self._grad
         if type(g) is _Unallocated:
             g = self._grad = np.zeros(g.shape, g.dtype)
+        self._zero = False
         return g
 
     @grad.setter
     def grad(self, value) -> None:
         self._grad = value
+        self._zero = False
+
+    def add_product(self, a: np.ndarray, b: np.ndarray) -> None:
+        """``grad += a @ b``; with the gradient known to be zero, the product is
+        written into it instead (``np.matmul(..., out=)``: no temporary, no pass
+        adding it, the same values)."""
+        g = self._grad
+        if type(g) is _Unallocated:
+            self._grad = np.matmul(a, b).astype(g.dtype, copy=False)
+        elif self._zero and g.flags.c_contiguous and g.dtype == np.result_type(a, b):
+            np.matmul(a, b, out=g)
+        else:
+            g += a @ b
+        self._zero = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -66,6 +87,7 @@ class Parameter:
     def zero_grad(self) -> None:
         if type(self._grad) is not _Unallocated:  # never read: zeros when it is
             self._grad.fill(0)
+            self._zero = True
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"

@@ -228,7 +228,7 @@ class Head(Module):
             dh = self.lm_head.backward(dlogits.reshape(*shape[:-1], -1), cache.lm)
         else:
             h = cache.lm.x.reshape(-1, shape[-1])  # (B T, C)
-            self.wte.weight.grad += dlogits.T @ h  # (V, C)
+            self.wte.weight.add_product(dlogits.T, h)  # += dlogits^T h (V, C)
             dh = (dlogits @ self.wte.weight.data).reshape(shape)  # (B, T, C)
         return self.ln_f.backward(dh, cache.ln_f)
 

@@ -284,7 +284,7 @@ class VocabParallelHead(Head):
             dh = self.lm_head.backward(dlogits, cache.lm)
         else:
             h = cache.lm.x.reshape(-1, cache.lm.x.shape[-1])  # (B T, C)
-            self.wte.weight.grad += dlogits.T @ h  # (V/tp, C)
+            self.wte.weight.add_product(dlogits.T, h)  # += dlogits^T h (V/tp, C)
             dh = dlogits @ self.wte.weight.data  # (B T, C), partial over tp
         dh = self.enter.backward(dh.reshape(cache.lm.x.shape))
         return self.ln_f.backward(dh, cache.ln_f)

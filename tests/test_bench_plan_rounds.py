@@ -1,0 +1,67 @@
+"""``bench_plan.py measure --rounds``: where each round's run goes, and how ``compare``
+reads a layout's step time back from the rounds there are."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_plan():
+    spec = importlib.util.spec_from_file_location("bench_plan",
+                                                  ROOT / "benchmarks" / "bench_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(folder: Path, records: list[dict]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def timed(times: list[float]) -> list[dict]:
+    return [{"step": k + 1, "loss": 1.0, "step_time_s": t} for k, t in enumerate(times)]
+
+
+def test_each_round_has_its_own_run_folder(bench_plan, tmp_path):
+    out = str(tmp_path)
+    assert bench_plan.run_dir_of(out, "dp2", "time") == tmp_path / "dp2-time"
+    assert bench_plan.run_dir_of(out, "dp2", "time", 1) == tmp_path / "dp2-time"
+    assert bench_plan.run_dir_of(out, "dp2", "time", 3) == tmp_path / "dp2-time-r3"
+    assert bench_plan.run_dir_of(out, "dp2", "memory") == tmp_path / "dp2-memory"
+
+
+def test_the_step_time_is_the_median_of_the_rounds_medians(bench_plan, tmp_path):
+    # warm-up steps (1, 2) left out of each round; round 2 is an outlier
+    write_run(tmp_path / "dp2-time", timed([9.0, 9.0, 1.0, 1.2, 1.1]))
+    write_run(tmp_path / "dp2-time-r2", timed([9.0, 9.0, 5.0, 5.0, 5.0]))
+    write_run(tmp_path / "dp2-time-r3", timed([9.0, 9.0, 1.3, 1.3, 1.4]))
+    write_run(tmp_path / "dp2-memory", [
+        {"step": s, "loss": 1.0, "peak_bytes_per_rank": [10 * s, 20 * s]} for s in (1, 2, 3)])
+    step, peak, rounds = bench_plan.measured(str(tmp_path), "dp2", warmup=2)
+    assert rounds == [1.1, 5.0, 1.3]
+    assert step == 1.3
+    assert peak == 60  # the largest rank's peak after the first step
+
+
+def test_one_round_reads_as_before(bench_plan, tmp_path):
+    write_run(tmp_path / "serial-time", timed([3.0, 3.0, 2.0, 4.0, 3.0]))
+    write_run(tmp_path / "serial-memory", [{"step": 2, "loss": 1.0,
+                                            "peak_bytes_per_rank": [7]}])
+    assert bench_plan.measured(str(tmp_path), "serial", warmup=2) == (3.0, 7, [3.0])
+
+
+def test_a_layout_never_timed_is_named(bench_plan, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no timed run of tp2"):
+        bench_plan.measured(str(tmp_path), "tp2", warmup=2)
+
+
+def test_rounds_below_one_are_refused_by_name(bench_plan, capsys):
+    with pytest.raises(SystemExit):
+        bench_plan.main(["measure", "--rounds", "0"])
+    assert "--rounds (0) must be at least 1" in capsys.readouterr().err
