@@ -235,7 +235,7 @@ def layernorm_forward(x: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, y: np.n
 
 
 @_jit(_REDUCE)
-def _layernorm_backward_rows(dy, xhat, rstd, dx, w):
+def _layernorm_backward_rows(dy, xhat, rstd, dx, w, skip, add_skip):
     n, c = dy.shape
     count = dy.dtype.type(c)  # an int would make the means float64
     for i in range(n):
@@ -246,14 +246,20 @@ def _layernorm_backward_rows(dy, xhat, rstd, dx, w):
             sum_g += g
             sum_gx += g * xhat[i, j]
         mean_g, mean_gx, r = sum_g / count, sum_gx / count, rstd[i, 0]
-        for j in range(c):
-            dx[i, j] = (dy[i, j] * w[j] - mean_g - xhat[i, j] * mean_gx) * r
+        if add_skip:
+            for j in range(c):
+                d = (dy[i, j] * w[j] - mean_g - xhat[i, j] * mean_gx) * r
+                dx[i, j] = d + skip[i, j]
+        else:
+            for j in range(c):
+                dx[i, j] = (dy[i, j] * w[j] - mean_g - xhat[i, j] * mean_gx) * r
 
 
 def layernorm_backward(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, dx: np.ndarray,
-                       w: np.ndarray) -> None:
-    # rows -> dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w, written in place
-    _layernorm_backward_rows(dy, xhat, rstd, dx, w)
+                       w: np.ndarray, skip: np.ndarray | None = None) -> None:
+    # rows -> dx = rstd (g - mean(g) - xhat mean(g xhat)) (+ skip), g = dy w, in place
+    _layernorm_backward_rows(dy, xhat, rstd, dx, w, dy if skip is None else skip,
+                             skip is not None)
 
 
 # ---------------------------------------------------------------------------------
@@ -366,11 +372,12 @@ def _strided(a: np.ndarray) -> tuple[np.ndarray, int, int]:
 
 
 @_jit()
-def _adamw_flat(data, g, m, v, shrink, b1, c1, b2, c2, rsqrt_bc2, eps, step_size):
+def _adamw_flat(data, g, m, v, shrink, b1, c1, b2, c2, rsqrt_bc2, eps, step_size, gscale):
     decay = shrink != data.dtype.type(1)
+    scaled = gscale != data.dtype.type(1)
     for i in range(data.shape[0]):
         p = data[i] * shrink if decay else data[i]
-        gi = g[i]
+        gi = g[i] * gscale if scaled else g[i]
         mi = m[i] * b1 + gi * c1
         vi = v[i] * b2 + (gi * gi) * c2
         m[i] = mi
@@ -380,11 +387,12 @@ def _adamw_flat(data, g, m, v, shrink, b1, c1, b2, c2, rsqrt_bc2, eps, step_size
 
 def adamw_update(data: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
                  tmp: np.ndarray, shrink: float, b1: float, b2: float, rsqrt_bc2: float,
-                 eps: float, step_size: float) -> None:
-    """``kernels.adamw_update`` in one pass (``tmp`` unused); flat arrays of one dtype."""
+                 eps: float, step_size: float, gscale: float = 1.0) -> None:
+    """``kernels.adamw_update`` in one pass (``tmp`` unused); flat arrays of one dtype;
+    the clipped gradient (``gscale``) is scaled as it is read, not stored."""
     t = data.dtype.type
     _adamw_flat(data, g, m, v, t(shrink), t(b1), t(1.0 - b1), t(b2), t(1.0 - b2),
-                t(rsqrt_bc2), t(eps), t(step_size))
+                t(rsqrt_bc2), t(eps), t(step_size), t(gscale))
 
 
 KERNELS = Kernels(gelu_forward, gelu_backward, layernorm_forward, layernorm_backward,

@@ -50,14 +50,17 @@ def layernorm_forward(x: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, y: np.n
 
 
 def layernorm_backward(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, dx: np.ndarray,
-                       w: np.ndarray) -> None:
-    # rows -> dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w, written in place
+                       w: np.ndarray, skip: np.ndarray | None = None) -> None:
+    # rows -> dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w, written in place;
+    # plus skip if given (a residual's other path: one pass fewer in numba's kernel)
     c = dy.shape[-1]
     np.multiply(dy, w, out=dx)  # g
     mean_gx = np.einsum("nc,nc->n", dx, xhat)[:, None] / c  # (n, 1)
     dx -= dx.mean(axis=-1, keepdims=True)
     dx -= xhat * mean_gx
     dx *= rstd
+    if skip is not None:
+        dx += skip
 
 
 # ---------------------------------------------------------------------------------
@@ -138,11 +141,15 @@ def future_mask(T: int) -> np.ndarray:
 
 def adamw_update(data: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
                  tmp: np.ndarray, shrink: float, b1: float, b2: float, rsqrt_bc2: float,
-                 eps: float, step_size: float) -> None:
+                 eps: float, step_size: float, gscale: float = 1.0) -> None:
     # data *= shrink (decoupled decay; skipped at 1); m = b1 m + (1 - b1) g;
     # v = b2 v + (1 - b2) g^2; data -= step_size m / (sqrt(v) rsqrt_bc2 + eps), in
-    # place; tmp is scratch. Scalars take the arrays' dtype (NumPy's rule for Python
-    # floats), each product and sum rounded in this order: fused.adamw_update is bitwise
+    # place; tmp is scratch; g is first scaled by gscale (a clipped gradient, rounded
+    # as clip_grads' g *= scale would; g itself is left as it is). Scalars take the
+    # arrays' dtype (NumPy's rule for Python floats), each product and sum rounded in
+    # this order: fused.adamw_update is bitwise
+    if gscale != 1.0:
+        g = g * gscale  # a temporary: NumPy's kernels are the fallback
     if shrink != 1.0:
         data *= shrink
     m *= b1

@@ -154,8 +154,10 @@ class LayerNorm(Module):
                   _rows(x), _rows(xhat), _rows(rstd), _rows(y))
         return y, LayerNormCache(xhat, rstd)
 
-    def backward(self, dy: np.ndarray, cache: LayerNormCache) -> np.ndarray:
-        # dy (..., C) -> dx (..., C); the parameter gradients sum over all rows, here
+    def backward(self, dy: np.ndarray, cache: LayerNormCache,
+                 skip: np.ndarray | None = None) -> np.ndarray:
+        # dy (..., C) -> dx (..., C); the parameter gradients sum over all rows, here.
+        # skip (..., C): added to dx in the same pass (a residual's skip path)
         xhat, rstd = cache
         dy = np.ascontiguousarray(dy)
         c = dy.shape[-1]
@@ -164,8 +166,13 @@ class LayerNorm(Module):
         dx = np.empty_like(dy)
         w = self.weight.data
         backward = kernels(dy.dtype).layernorm_backward
-        over_rows(lambda *rows: backward(*rows, w),
-                  _rows(dy), _rows(xhat), _rows(rstd), _rows(dx))
+        if skip is None:
+            over_rows(lambda *rows: backward(*rows, w),
+                      _rows(dy), _rows(xhat), _rows(rstd), _rows(dx))
+        else:
+            skip = np.ascontiguousarray(skip)
+            over_rows(lambda d, xh, r, out, s: backward(d, xh, r, out, w, s),
+                      _rows(dy), _rows(xhat), _rows(rstd), _rows(dx), _rows(skip))
         return dx
 
 

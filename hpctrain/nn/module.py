@@ -35,8 +35,9 @@ class Parameter:
 
     ``add_product(a, b)`` is ``grad += a @ b`` (a weight gradient), written straight
     into ``grad`` when the gradient is known to be zero: unallocated, or untouched
-    since ``zero_grad``. Any read of ``grad`` forgets that it is zero, so whatever
-    else changes it (``+=`` reads it first) makes the next product add again.
+    since ``zero_grad`` (or ``mark_zero``). Any read of ``grad`` forgets that it is
+    zero, so whatever else changes it (``+=`` reads it first) makes the next product
+    add again, and the next ``zero_grad`` fill it.
     """
 
     __slots__ = ("data", "_grad", "_zero")
@@ -85,8 +86,15 @@ class Parameter:
         return self.data.size
 
     def zero_grad(self) -> None:
-        if type(self._grad) is not _Unallocated:  # never read: zeros when it is
+        if type(self._grad) is not _Unallocated and not self._zero:  # else zeros already
             self._grad.fill(0)
+            self._zero = True
+
+    def mark_zero(self, filled: np.ndarray) -> None:
+        """The owner of ``grad``'s memory (data parallelism's flat buckets) has just
+        filled ``filled`` with zeros: if that is this gradient, ``zero_grad`` need not
+        fill it again and ``add_product`` may write into it."""
+        if self._grad is filled:
             self._zero = True
 
     def __repr__(self) -> str:

@@ -49,14 +49,22 @@ def grad_norm(params: Iterable[Parameter]) -> float:
     return math.sqrt(grad_sq_sum(params))
 
 
+def clip_scale(max_norm: float, total_norm: float) -> float:
+    """``min(1, max_norm / (total_norm + 1e-6))``; 1 when ``max_norm <= 0`` (no clipping)
+    or the norm is within it."""
+    if max_norm <= 0 or total_norm <= max_norm:
+        return 1.0
+    return max_norm / (total_norm + 1e-6)
+
+
 def clip_grads(params: Iterable[Parameter], max_norm: float, total_norm: float) -> float:
-    """Scale every ``.grad`` by ``min(1, max_norm / (total_norm + 1e-6))``; return the scale.
+    """Scale every ``.grad`` by ``clip_scale(max_norm, total_norm)``; return the scale.
 
     ``max_norm <= 0`` disables clipping (scale 1).
     """
-    if max_norm <= 0 or total_norm <= max_norm:
+    scale = clip_scale(max_norm, total_norm)
+    if scale == 1.0:
         return 1.0
-    scale = max_norm / (total_norm + 1e-6)
     for p in params:
         p.grad *= scale
     return scale

@@ -125,8 +125,10 @@ class AdamW(Optimizer):
         self.m = [np.zeros_like(p.data) for p in self.params]
         self.v = [np.zeros_like(p.data) for p in self.params]
 
-    def step(self, lr: float | None = None) -> None:
-        """One update from the current ``.grad``; ``lr`` defaults to the constructor's."""
+    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
+        """One update from the current ``.grad`` times ``grad_scale`` (a clipping
+        factor, applied as each gradient is read: ``.grad`` keeps its values);
+        ``lr`` defaults to the constructor's."""
         lr = self.lr if lr is None else float(lr)
         b1, b2 = self.beta1, self.beta2
         self.t += 1
@@ -137,7 +139,7 @@ class AdamW(Optimizer):
             # numba's kernel where all four share a dtype it is built for, else NumPy's
             same = p.grad.dtype == m.dtype == v.dtype == p.data.dtype
             update = (kernels(p.data.dtype) if same else NUMPY_KERNELS).adamw_update
-            scalars = (shrink, b1, b2, rsqrt_bc2, self.eps, step_size)
+            scalars = (shrink, b1, b2, rsqrt_bc2, self.eps, step_size, grad_scale)
             # one block of elements: every array a flat slice of the same range
             _elementwise(lambda *block, update=update, scalars=scalars: update(*block, *scalars),
                          p.data, p.grad, m, v, self._tmp(p))

@@ -55,6 +55,7 @@ import numpy as np
 from hpctrain import trace
 from hpctrain.nn.module import is_sparse
 from hpctrain.optim import clip
+from hpctrain.optim.optimizers import AdamW
 
 MiB = 1 << 20
 POLL_INTERVAL = 1e-3  # seconds between the helper thread's launches and tests
@@ -214,6 +215,8 @@ class GradBuckets:
         else:
             for f in self.flat.values():
                 f.fill(0)
+        for p, view in self.views:  # the engine's zero_grad then fills nothing again
+            p.mark_zero(view)
         self._reset()
 
     def mark_ready(self, params) -> None:
@@ -362,7 +365,10 @@ class DataParallel:
 
     Per step, collective over ``dp_comm``: ``zero_grad``, the engine's
     ``forward_backward(scale=1 / dp)``, ``finish_grads``, ``grad_norm``, ``clip``,
-    ``step``. Registers itself as the engine's ``on_grads_ready`` hook.
+    ``step``. Registers itself as the engine's ``on_grads_ready`` hook. With AdamW
+    (dense gradients) ``clip`` only records its factor and the update applies it as it
+    reads each gradient (one pass over the gradients fewer; the gradients keep their
+    unclipped values, the update is the same bits).
     """
 
     stage = 0
@@ -377,6 +383,9 @@ class DataParallel:
                                  bucket_mb=bucket_mb,
                                  poll_interval=POLL_INTERVAL if self.dp_size > 1 else 0.0)
         engine.on_grads_ready = self.grads.mark_ready
+        self._grad_scale = 1.0  # clip's factor, for the next step's update
+        self._scale_in_update = (isinstance(optimizer, AdamW)
+                                 and not any(is_sparse(p) for p in engine.params))
 
     def zero_grad(self) -> None:
         """Zero the buffers, then the engine's own ``zero_grad`` (its per-step counters)."""
@@ -392,10 +401,17 @@ class DataParallel:
         return self.engine.grad_norm()
 
     def clip(self, max_norm: float, norm: float) -> float:
-        return clip.clip_grads(self.engine.params, max_norm, norm)
+        if not self._scale_in_update:
+            return clip.clip_grads(self.engine.params, max_norm, norm)
+        self._grad_scale = clip.clip_scale(max_norm, norm)  # applied by step's update
+        return self._grad_scale
 
     def step(self, lr: float) -> None:
-        self.optimizer.step(lr)
+        scale, self._grad_scale = self._grad_scale, 1.0
+        if scale != 1.0:
+            self.optimizer.step(lr, grad_scale=scale)
+        else:
+            self.optimizer.step(lr)
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state."""

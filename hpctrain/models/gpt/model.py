@@ -157,11 +157,10 @@ class Block(Module):
                  after_half: Callable[[], None] = _nothing) -> np.ndarray:
         # dy (B, T, C) -> dx (B, T, C); after_half() runs once the (mlp, ln2) gradients
         # are complete, then once the (attn, ln1) ones are
-        dh = self.ln2.backward(self.mlp.backward(dy, cache.mlp), cache.ln2)
-        dh += dy  # skip path of the second residual
+        # each LayerNorm's backward adds the residual's skip path in its own pass
+        dh = self.ln2.backward(self.mlp.backward(dy, cache.mlp), cache.ln2, skip=dy)
         after_half()
-        dx = self.ln1.backward(self.attn.backward(dh, cache.attn), cache.ln1)
-        dx += dh  # skip path of the first residual
+        dx = self.ln1.backward(self.attn.backward(dh, cache.attn), cache.ln1, skip=dh)
         after_half()
         return dx
 

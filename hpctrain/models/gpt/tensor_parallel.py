@@ -117,9 +117,10 @@ class SequenceParallelLayerNorm(LayerNorm):
         self.bias = serial.bias
         self.comm = comm
 
-    def backward(self, dy: np.ndarray, cache: LayerNormCache) -> np.ndarray:
+    def backward(self, dy: np.ndarray, cache: LayerNormCache,
+                 skip: np.ndarray | None = None) -> np.ndarray:
         with gradients_summed_over(self.comm, [self.weight, self.bias]):
-            return super().backward(dy, cache)
+            return super().backward(dy, cache, skip)
 
 
 class SequenceParallelAttention(CausalSelfAttention):
