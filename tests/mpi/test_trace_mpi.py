@@ -108,8 +108,12 @@ def test_breakdown_adds_up_to_the_step(traced):
         for r in records:
             if "time_s" in r:
                 total = sum(r["time_s"].values())
-                # the breakdown is a mean over ranks, step_time_s rank 0's wall time
-                if not 0.8 * r["step_time_s"] < total < 1.2 * r["step_time_s"]:
+                # the breakdown is a mean over ranks, step_time_s rank 0's wall time; in
+                # step 1 the ranks arrive from setup at different moments, and a rank
+                # that came early counts its wait for the others, which rank 0's wall
+                # time does not hold (8.5 against 6.2 ms seen once): from step 2 on the
+                # ranks start each step together
+                if r["step"] > 1 and not 0.8 * r["step_time_s"] < total < 1.2 * r["step_time_s"]:
                     problems.append(f"step {r['step']}: {total} s vs {r['step_time_s']} s")
                 if r["time_s"]["pp_wait"] <= 0:
                     problems.append(f"step {r['step']}: no pipeline wait")
