@@ -104,16 +104,16 @@ def blocksum64(a: np.ndarray) -> str:
     cut = n_blocks * _BLOCK_WORDS * 8
     sums = np.add.reduce(raw[:cut].view("<u8").reshape(n_blocks, _BLOCK_WORDS), axis=1)
     tail = raw[cut:].tobytes() + bytes(-(raw.size - cut) % 8)  # < 4 KiB, zero-padded
-    last = int(np.frombuffer(tail, "<u8").sum(dtype=np.uint64)) if tail else 0
-    total = (int(sums.sum(dtype=np.uint64)) + last) & _MASK
-    weighted = (int(np.dot(sums, _weights(n_blocks))) + (n_blocks + 1) * last) & _MASK
-    return f"{total:016x}{weighted:016x}"
+    if tail:  # the last, partial block
+        sums = np.append(sums, np.frombuffer(tail, "<u8").sum(dtype=np.uint64))
+    return blocksum64_of_sums(sums)
 
 
 def blocksum64_of_sums(sums: np.ndarray) -> str:
     """The ``blocksum64`` of a piece from its block sums (uint64, one per block of
-    ``BLOCK_BYTES``, the last one partial and its last word zero-padded:
-    ``copysum``'s), as ``blocksum64`` gives it."""
+    ``BLOCK_BYTES``, the last one partial and its last word zero-padded: what
+    ``blocksum64`` and ``copysum`` compute): ``A`` their sum, ``B`` their sum weighted
+    by position (1, 2, ...), both mod 2^64."""
     total = int(sums.sum(dtype=np.uint64)) & _MASK
     weighted = int(np.dot(sums, _weights(sums.size))) & _MASK if sums.size else 0
     return f"{total:016x}{weighted:016x}"
