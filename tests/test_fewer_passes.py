@@ -5,7 +5,9 @@ replaces, with numba's kernels and with NumPy's:
 * AdamW's update scales the clipped gradient as it reads it (``AdamW.step(grad_scale=)``,
   what ``DataParallel.clip`` now asks for instead of a pass over the gradients);
 * data parallelism's flat buckets, once zeroed, are not zeroed again by the engine's
-  ``zero_grad`` (``Parameter.mark_zero``).
+  ``zero_grad`` (``Parameter.mark_zero``);
+* the MLP's first bias is added by GELU's forward pass (``Linear.forward(add_bias=
+  False)``, ``GELU.forward(bias=)``), not by a pass of its own.
 """
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from hpctrain.nn import LayerNorm, kernels
+from hpctrain.nn import GELU, LayerNorm, Linear, kernels
 from hpctrain.nn.kernels import NUMPY_KERNELS
 from hpctrain.nn.module import Parameter
 from hpctrain.optim import AdamW
@@ -41,6 +43,31 @@ def chosen(request):
 
 def rows(shape, dtype, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 8), (7, 24), (2, 65, 384)])
+def test_gelu_adds_the_linear_bias_in_its_pass_as_the_linear_did(chosen, dtype, shape):
+    fc = Linear(shape[-1], 3 * shape[-1], rng=np.random.default_rng(4), dtype=dtype)
+    fc.bias.data[:] = rows(fc.bias.shape, dtype, 5)
+    x = rows(shape, dtype, 6)
+    h, _ = fc.forward(x)
+    want, want_cache = GELU().forward(h)
+    bare, _ = fc.forward(x, add_bias=False)
+    assert not np.array_equal(bare, h)
+    got, cache = GELU().forward(bare, fc.bias.data)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+    # the cache holds GELU's input, the biased product, so the backward is the same too
+    assert np.array_equal(cache.x, want_cache.x) and np.array_equal(cache.s, want_cache.s)
+
+
+def test_a_row_parallel_linear_refuses_to_leave_its_bias_to_the_caller():
+    from hpctrain.parallel.tensor import NoCommunication, RowParallelLinear
+
+    row = RowParallelLinear(Parameter(np.ones((4, 3))), Parameter(np.ones(3)),
+                            NoCommunication(), tp_rank=0)
+    with pytest.raises(ValueError, match="add_bias must be True"):
+        row.forward(np.ones((2, 4)), add_bias=False)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -10,6 +10,7 @@ loops (AVX-512 where the CPU has it).
 
     kernel              reads             writes         NumPy passes it replaces
     gelu_forward        x                 s, y           8 (s = sigmoid(-2u), y = x s)
+      with a bias b     x, b              x += b, s, y   9 (and the Linear's bias add)
     gelu_backward       x, s, dy          dx             9
     layernorm_forward   x (row in cache)  xhat, rstd, y  5 and 2 row reductions
     layernorm_backward  dy, xhat, rstd    dx             4 and 2 row reductions
@@ -178,9 +179,30 @@ def _gelu_forward_rows(x, s, y):
             y[i, j] = v * sv
 
 
-def gelu_forward(x: np.ndarray, s: np.ndarray, y: np.ndarray) -> None:
-    # rows (n, C) of x -> s = 1 / (1 + exp(-2u)), y = x s, written in place
-    _gelu_forward_rows(x, s, y)
+@_jit()
+def _bias_gelu_forward_rows(x, b, s, y):
+    # _gelu_forward_rows of x + b, the sum stored back into x: one pass where the
+    # Linear's bias add and GELU made two
+    n, c = x.shape
+    c3 = x.dtype.type(-2.0 * GELU_K * GELU_A)
+    c1 = x.dtype.type(2.0 * GELU_K)
+    for i in range(n):
+        for j in range(c):
+            v = x[i, j] + b[j]
+            x[i, j] = v
+            sv = _sigmoid_neg((v * v * c3 - c1) * v)
+            s[i, j] = sv
+            y[i, j] = v * sv
+
+
+def gelu_forward(x: np.ndarray, s: np.ndarray, y: np.ndarray,
+                 b: np.ndarray | None = None) -> None:
+    # rows (n, C) of x -> s = 1 / (1 + exp(-2u)), y = x s, written in place; with a
+    # bias row b, x += b first, in the same pass
+    if b is None:
+        _gelu_forward_rows(x, s, y)
+    else:
+        _bias_gelu_forward_rows(x, b, s, y)
 
 
 @_jit()

@@ -8,7 +8,8 @@ NumPy, one operation (one pass over memory) at a time, and in ``hpctrain.nn.fuse
 compiled by numba into one pass. ``kernels(dtype)`` says which set a layer calls:
 
     kernel              arguments (rows of ...)            writes
-    gelu_forward        x, s, y                            s = 1 / (1 + exp(-2u)), y = x s
+    gelu_forward        x, s, y[, b]                       s = 1 / (1 + exp(-2u)), y = x s
+                                                           (with b: x += b first)
     gelu_backward       x, s, dy, dx                       dx
     layernorm_forward   x, xhat, rstd, y, w, b, eps        xhat, rstd (n, 1), y
     layernorm_backward  dy, xhat, rstd, dx, w              dx
@@ -71,8 +72,12 @@ GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 
 
-def gelu_forward(x: np.ndarray, s: np.ndarray, y: np.ndarray) -> None:
-    # rows of x -> s = 1 / (1 + exp(-2u)), y = x s, written in place
+def gelu_forward(x: np.ndarray, s: np.ndarray, y: np.ndarray,
+                 b: np.ndarray | None = None) -> None:
+    # rows of x -> s = 1 / (1 + exp(-2u)), y = x s, written in place; with a bias row
+    # b, x += b first (in place: x is then GELU's input)
+    if b is not None:
+        x += b
     np.multiply(x, x, out=s)
     s *= -2.0 * GELU_K * GELU_A
     s -= 2.0 * GELU_K

@@ -59,10 +59,11 @@ class Linear(Module):
     def out_features(self) -> int:
         return self.weight.shape[1]
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, LinearCache]:
-        # x (..., in) -> y (..., out)
+    def forward(self, x: np.ndarray, add_bias: bool = True) -> tuple[np.ndarray, LinearCache]:
+        # x (..., in) -> y (..., out); add_bias=False: the product only, for a caller
+        # that adds ``bias.data`` in a pass of its own (``GELU.forward(bias=)``)
         y = x.reshape(-1, x.shape[-1]) @ self.weight.data  # (N, out)
-        if self.bias is not None:
+        if self.bias is not None and add_bias:
             y += self.bias.data
         return y.reshape(*x.shape[:-1], y.shape[-1]), LinearCache(x)
 
@@ -194,10 +195,18 @@ class GELU(Module):
     Backward: ``dy/dx = s + 2 x s (1 - s) k (1 + 3 a x^2)``.
     """
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, GELUCache]:
-        # x (...) -> y (...); s and y are the only arrays allocated
+    def forward(self, x: np.ndarray, bias: np.ndarray | None = None
+                ) -> tuple[np.ndarray, GELUCache]:
+        # x (...) -> y (...); s and y are the only arrays allocated. With ``bias``
+        # (the preceding Linear's, which left it out: ``Linear.forward(add_bias=False)``)
+        # x is the bare product: x += bias, in place, in the same pass, and the cache
+        # keeps that sum, GELU's input
         s, y = np.empty_like(x), np.empty_like(x)
-        over_rows(kernels(x.dtype).gelu_forward, _rows(x), _rows(s), _rows(y))
+        kernel = kernels(x.dtype).gelu_forward
+        if bias is not None:
+            def kernel(xs, ss, ys, run=kernel):  # every block adds the whole bias row
+                run(xs, ss, ys, bias)
+        over_rows(kernel, _rows(x), _rows(s), _rows(y))
         return y, GELUCache(x, s)
 
     def backward(self, dy: np.ndarray, cache: GELUCache) -> np.ndarray:

@@ -160,9 +160,10 @@ class ColumnParallelLinear(Linear):
         bias = None if linear.bias is None else shard_parameter(linear.bias, 0, comm, blocks)
         return cls(shard_parameter(linear.weight, 1, comm, blocks), bias, enter)
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, LinearCache]:
-        # x (..., in) -> y (..., out/tp); SP: x (B, T/tp, in) -> y (B, T, out/tp)
-        return super().forward(self.enter.forward(x))
+    def forward(self, x: np.ndarray, add_bias: bool = True) -> tuple[np.ndarray, LinearCache]:
+        # x (..., in) -> y (..., out/tp); SP: x (B, T/tp, in) -> y (B, T, out/tp); the
+        # bias is this rank's block, so a caller may add it (add_bias=False) as in serial
+        return super().forward(self.enter.forward(x), add_bias)
 
     def backward(self, dy: np.ndarray, cache: LinearCache, need_dx: bool = True):
         dx = super().backward(dy, cache, need_dx)
@@ -198,8 +199,12 @@ class RowParallelLinear(Linear):
         bias = None if linear.bias is None else shard_parameter(linear.bias, None, comm)
         return cls(shard_parameter(linear.weight, 0, comm), bias, leave, comm.Get_rank())
 
-    def forward(self, x: np.ndarray) -> tuple[np.ndarray, LinearCache]:
-        # x (..., in/tp) -> y (..., out); SP: x (B, T, in/tp) -> y (B, T/tp, out)
+    def forward(self, x: np.ndarray, add_bias: bool = True) -> tuple[np.ndarray, LinearCache]:
+        # x (..., in/tp) -> y (..., out); SP: x (B, T, in/tp) -> y (B, T/tp, out). The
+        # bias enters before the sum over ranks, so it cannot be left to the caller
+        if not add_bias:
+            raise ValueError("a row-parallel linear adds its bias before the sum over "
+                             "ranks: add_bias must be True")
         y = x.reshape(-1, x.shape[-1]) @ self.weight.data  # (N, out), this rank's share
         if self.bias is not None and self.adds_bias:
             y += self.bias.data

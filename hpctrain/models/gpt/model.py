@@ -106,8 +106,9 @@ class FeedForward(Module):
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, FeedForwardCache]:
         # x (B, T, C) -> y (B, T, C)
-        h, fc = self.fc.forward(x)  # (B, T, d_ff)
-        h, gelu = self.gelu.forward(h)  # (B, T, d_ff)
+        # fc's bias is added by GELU's pass over (B, T, d_ff), not by a pass of its own
+        h, fc = self.fc.forward(x, add_bias=False)  # (B, T, d_ff), the bare product
+        h, gelu = self.gelu.forward(h, None if self.fc.bias is None else self.fc.bias.data)
         y, proj = self.proj.forward(h)  # (B, T, C)
         return y, FeedForwardCache(fc, gelu, proj)
 
