@@ -176,9 +176,13 @@ def test_cgroup_v1_plan_pins_caps_and_counts_each_node(tmp_path):
     assert steps["cpuset/hpctrain-emu/cpuset.cpus"] == "0-1"  # the parent has cores first
     assert steps["cpuset/hpctrain-emu/emu1/cpuset.cpus"] == "1"
     assert steps["cpuset/hpctrain-emu/emu1/cpuset.mems"] == "0"
-    assert steps["cpu/hpctrain-emu/emu0/cpu.cfs_quota_us"] == "10000"
+    # emu0 is pinned to its core and gets all of it: the pinning caps it, no quota
+    assert steps["cpu/hpctrain-emu/emu0/cpu.cfs_quota_us"] == "-1"
     assert steps["cpu/hpctrain-emu/emu1/cpu.cfs_quota_us"] == "5000"
     assert steps["cpuacct/hpctrain-emu/emu1"] is None
+    quota = build(name="emu", cpu_limit="quota", nodes=[{"count": 1}])
+    unpinned = {str(p.relative_to(root)): v for p, v in cpu.plan(cg, quota)}
+    assert unpinned["cpu/hpctrain-emu/emu0/cpu.cfs_quota_us"] == "10000"  # nothing pins it
     order = [str(p.relative_to(root)) for p, _ in cpu.plan(cg, spec)]
     assert order.index("cpuset/hpctrain-emu/cpuset.mems") < order.index("cpuset/hpctrain-emu/emu0")
     assert [str(p.relative_to(root)) for p in cpu.procs_files(cg, spec, spec.nodes[1])] == [
@@ -195,7 +199,7 @@ def test_cgroup_v2_plan_enables_the_controllers_then_caps_each_node(tmp_path):
     assert steps[:3] == [("cgroup.subtree_control", "+cpu +cpuset"), ("hpctrain-emu", None),
                          ("hpctrain-emu/cgroup.subtree_control", "+cpu +cpuset")]
     assert ("hpctrain-emu/emu0/cpu.max", "5000 10000") in steps
-    assert ("hpctrain-emu/emu1/cpu.max", "20000 10000") in steps
+    assert ("hpctrain-emu/emu1/cpu.max", "max 10000") in steps  # pinned to both, all of them
     assert ("hpctrain-emu/emu1/cpuset.cpus", "0,1") in steps
     assert cpu.procs_files(cg, spec, spec.nodes[0]) == [root / "hpctrain-emu/emu0/cgroup.procs"]
 

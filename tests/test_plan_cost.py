@@ -168,9 +168,9 @@ def test_replayed_bubble_equals_theory_with_equal_stages(schedule, pp, m, v):
     orders = timeline.record(SCHEDULES[schedule], pp, m, v)
     chunk = {k: (1.0 / v, 2.0 / v, 0, 0, 0, 0) for k in range(pp * v)}
     times = [{k: chunk[k] for k in range(r, pp * v, pp)} for r in range(pp)]
-    makespan, busy = cost._pipeline(orders, times, pp * v, pp, m, v, replay=True)
+    makespan, busy, _ = cost._pipeline(orders, times, pp * v, pp, m, v, replay=True)
     assert 1 - busy[0] / makespan == pytest.approx(timeline.bubble_theory(pp, m, v))
-    closed, _ = cost._pipeline(orders, times, pp * v, pp, m, v, replay=False)
+    closed, _, _ = cost._pipeline(orders, times, pp * v, pp, m, v, replay=False)
     assert closed == pytest.approx(makespan)
 
 
@@ -255,3 +255,72 @@ def test_the_kernels_that_run_are_priced_unless_the_practice_names_them():
         assert cost.estimate(cfg, cluster()).step_s == numba_.step_s
     finally:
         kernels.set_kernels(None)
+
+
+# ---------------------------------------------------------------------------------
+# the data-parallel buckets, ready as the backward makes them
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("bucket_mb", [0.001, 0.004, 64.0])
+def test_the_buckets_and_when_they_are_ready_are_the_engines(tied, bucket_mb):
+    """grad_buckets cuts the engine's buckets (data._layout over the parameters in
+    backward order), and each is ready at the backward piece the engine reports last
+    for it (GPT.backward_pieces: head, MLP and attention halves from the last block,
+    the embedding)."""
+    from hpctrain.parallel.data import _layout
+
+    m = ModelConfig(**TINY, tie_embeddings=tied)
+    model = GPT(m, seed=0)
+    params = model.parameters()
+    want, _ = _layout(list(reversed(params)), bucket_mb, 1)
+    got = cost.grad_buckets(m, 1, 1, 1, "layers", 0, 4, bucket_mb, 1)
+    assert [b.size * 4 for b in want] == [n for n, _ in got]
+    pieces = model.backward_pieces()
+    last = {id(p): k for k, piece in enumerate(pieces) for p in piece}
+    order = cost._unit_order(m, 1, mem.chunk_blocks(m, 1, 1, "layers"))
+    assert len(order) == len(pieces)
+    assert [max(last[id(p)] for p in b.params) for b in want] == \
+        [order.index(unit) for _, unit in got]
+
+
+def test_pipeline_buckets_wait_for_their_whole_chunk():
+    m = ModelConfig(**TINY)
+    got = cost.grad_buckets(m, 1, 2, 1, "layers", 1, 4, 0.001, 1)
+    assert {unit for _, unit in got} == {("chunk", 1)}  # rank 1 holds the last chunk
+    assert sum(n for n, _ in got) == 4 * sum(mem.rank_param_sizes(m, 1, 2, 1, "layers", 1))
+
+
+def test_buckets_go_over_the_link_one_after_the_other_by_hand():
+    """Three buckets of 100 bytes ready at 0, 0.5 and 1.0 s of a step whose compute ends
+    at 1.0 s, each all-reduce 0.3 s (dp 2: 100 bytes sent at 1000/3 B/s): the first two
+    finish under compute, the last runs 0.3 s past it. With a CPU cost a byte, the two
+    that ran under compute take 200 bytes of it; a sum entirely after the compute
+    (dp_overlap off) takes none, and comm_overlap 0 exposes the whole 0.9 s."""
+    cfg = make(world=2, dp=2)
+    c = cluster(latency=0.0, bandwidth=1000 / 3)
+    buckets = [(100, 0.0), (100, 0.5), (100, 1.0)]
+    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False) == pytest.approx(0.3)
+    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, cpu_per_byte=1e-4) == \
+        pytest.approx(0.3 + 200 * 1e-4)
+    late = [(100, 1.0)] * 3
+    assert cost.dp_time(cfg, c, late, 1.0, 2, False, cpu_per_byte=1e-4) == pytest.approx(0.9)
+    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, hidden=0.0) == pytest.approx(0.9)
+    # a bucket that waits for the one before it: ready at 0.1, starts at 0.3
+    assert cost.dp_time(cfg, c, [(100, 0.0), (100, 0.1), (100, 0.2)], 0.5, 2, False) == \
+        pytest.approx(0.4)
+
+
+def test_a_cpu_cost_a_byte_is_described_and_priced():
+    from dataclasses import replace
+
+    from hpctrain.plan.cluster import ClusterError, to_toml
+
+    c = cluster()
+    kind = replace(c.kinds["cpu"], comm_cpu_s_per_byte=2e-9)
+    c = replace(c, kinds={"cpu": kind})
+    back = from_dict(__import__("tomllib").loads(to_toml(c)))
+    assert back.kinds["cpu"].comm_cpu_s_per_byte == pytest.approx(2e-9)
+    raw = __import__("tomllib").loads(to_toml(c).replace("2.0000e-09", "-1.0"))
+    with pytest.raises(ClusterError, match=r"comm_cpu_s_per_byte \(-1.0\) must be 0 or more"):
+        from_dict(raw)

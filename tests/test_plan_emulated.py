@@ -132,3 +132,19 @@ def test_the_share_of_a_sum_hidden_under_compute_is_described_and_priced():
 def test_a_bad_overlap_share_is_named(share):
     with pytest.raises(cl.ClusterError, match=r"comm_overlap .* must be a number from 0 to 1"):
         one_core_nodes(2, comm_overlap=share)
+
+
+def test_the_cpu_a_byte_costs_is_the_slope_over_the_bytes_sent():
+    """cpu_per_byte: time = steps * latency + bytes sent * c on unshaped links gives c
+    back whatever the latency (the slope between the two largest messages), the median
+    over ops and group sizes; no samples, 0; describe puts it on the node kind."""
+    c = 2.5e-9
+    samples = [Sample(op, p, n, 1e-3 * cl.steps(op, p) + c * cl.volume(op, p, n))
+               for op in cl.OPS for p in (2, 4) for n in (1 << 20, 1 << 22, 1 << 24)]
+    assert emulated.cpu_per_byte(samples) == pytest.approx(c)
+    assert emulated.cpu_per_byte([]) == 0.0
+    from dataclasses import replace
+
+    kind = emulated.describe(replace(measured(), unshaped=tuple(samples)))[0].kinds["node"]
+    assert kind.comm_cpu_s_per_byte == pytest.approx(c)
+    assert emulated.describe(measured())[0].kinds["node"].comm_cpu_s_per_byte == 0.0

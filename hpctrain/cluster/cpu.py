@@ -4,8 +4,10 @@ A node's processes (its MPI ranks, its ``slurmd`` and every job step) join the n
 cgroup before they enter its namespace, and everything they start stays in it:
 
 * ``cpu_limit = "cpuset"``: the node runs only on its own cores (``cpuset.cpus``);
-* always: the CFS quota caps it at ``cores * cpu_share`` cores (50000 us of every
-  100000 us is half a core), so nodes can be unequal.
+* the CFS quota caps it at ``cores * cpu_share`` cores (5000 us of every 10000 us is
+  half a core), so nodes can be unequal; not when the node is pinned to its cores and
+  gets all of them (``NodeSpec.capped``: the pinning enforces that, and a quota equal
+  to it only throttles the node's threads when they run at once).
 
 Both cgroup versions are supported. cgroup v1 (a hierarchy per controller, as on this
 kind of machine)::
@@ -83,7 +85,8 @@ def plan(cg: Cgroups, spec: ClusterSpec) -> list[tuple[Path, str | None]]:
                   (top / "cgroup.subtree_control", "+cpu +cpuset")]
         for n in spec.nodes:
             d = top / n.hostname
-            steps += [(d, None), (d / "cpu.max", f"{n.quota_us} {PERIOD_US}")]
+            quota = n.quota_us if n.capped else "max"
+            steps += [(d, None), (d / "cpu.max", f"{quota} {PERIOD_US}")]
             if n.cpus:
                 steps.append((d / "cpuset.cpus", _cpu_list(n.cpus)))
         return steps
@@ -96,7 +99,7 @@ def plan(cg: Cgroups, spec: ClusterSpec) -> list[tuple[Path, str | None]]:
     for n in spec.nodes:
         d = cg.cpu / f"hpctrain-{spec.name}" / n.hostname
         steps += [(d, None), (d / "cpu.cfs_period_us", str(PERIOD_US)),
-                  (d / "cpu.cfs_quota_us", str(n.quota_us))]
+                  (d / "cpu.cfs_quota_us", str(n.quota_us if n.capped else -1))]
         if cg.cpuset != cg.cpu:
             d = cg.cpuset / f"hpctrain-{spec.name}" / n.hostname
             cpus = _cpu_list(n.cpus) if n.cpus else _read(cg.cpuset / "cpuset.cpus")

@@ -99,10 +99,16 @@ def create_node(spec: ClusterSpec, node: NodeSpec) -> None:
     sh("ip", "-n", ns, "addr", "add", f"{node.address}/{spec.prefix_len}", "dev", NODE_IFACE)
     sh("ip", "-n", ns, "link", "set", NODE_IFACE, "up")
     sh("ip", "-n", ns, "link", "set", "lo", "up")
-    shape = tbf_args(node.link_bps)
-    sh("tc", "qdisc", "replace", "dev", port, "root", "tbf", *shape)
-    sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", NODE_IFACE, "root", "tbf",
-       *shape)
+    shape_link(spec, node, node.link_bps)
+
+
+def shape_link(spec: ClusterSpec, node: NodeSpec, bps: int) -> None:
+    """Set both shapers of ``node``'s link to ``bps`` (``calibrate --emulated`` runs its
+    collectives again on links fast enough that the nodes' cores bound them)."""
+    shape = tbf_args(bps)
+    sh("tc", "qdisc", "replace", "dev", spec.switch_port(node), "root", "tbf", *shape)
+    sh("ip", "netns", "exec", spec.netns(node), "tc", "qdisc", "replace", "dev", NODE_IFACE,
+       "root", "tbf", *shape)
 
 
 def add_hosts(spec: ClusterSpec) -> None:

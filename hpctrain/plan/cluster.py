@@ -22,6 +22,12 @@ cluster; ``configs/clusters/`` holds examples)::
     # its TCP work take the cores the backward computes on). Not calibrated: read it
     # from a data-parallel step's breakdown (hpctrain bench: compute and exposed dp)
     comm_overlap = 1.0
+    # optional: seconds of a node's core per byte a rank sends in a collective across
+    # nodes (copies and the TCP stack; 0, the default, for RDMA adapters that move the
+    # bytes themselves). A data-parallel sum hidden under the backward takes that CPU
+    # from the backward. `calibrate --emulated` measures it: the collectives again with
+    # the links unshaped, where the cores and not the links bound them
+    comm_cpu_s_per_byte = 0.0
 
     # instead of a gemm table, a device's published peak and the share of it its GEMMs
     # reach (a roofline: a product is also bound by moving its operands, gemm_bytes an
@@ -137,6 +143,7 @@ class NodeKind:
     gemm_efficiency: float | None = None  # the share of it large products reach
     gemm_bytes: int = 2  # bytes an operand element, for the roofline's memory bound
     comm_overlap: float = 1.0  # share of a data-parallel sum hidden under compute
+    comm_cpu_s_per_byte: float = 0.0  # core seconds a byte sent across nodes costs
 
     def peak_rate(self, ranks_per_node: int) -> float:
         """A rank's best measured GEMM rate, or the published peak: the denominator of MFU."""
@@ -227,7 +234,8 @@ def _known(table: dict, keys: tuple[str, ...], where: str) -> None:
 def _kind(raw: dict, i: int) -> NodeKind:
     where = f"kinds[{i}]"
     _known(raw, ("name", "cores", "memory_gib", "gemm", "stream", "peak_flops",
-                 "gemm_efficiency", "gemm_bytes", "comm_overlap"), where)
+                 "gemm_efficiency", "gemm_bytes", "comm_overlap", "comm_cpu_s_per_byte"),
+           where)
     name = str(_field(raw, "name", where))
     cores = _field(raw, "cores", where)
     if not isinstance(cores, int) or cores < 1:
@@ -264,7 +272,12 @@ def _kind(raw: dict, i: int) -> NodeKind:
     if isinstance(overlap, bool) or not isinstance(overlap, int | float) \
             or not 0.0 <= overlap <= 1.0:
         raise ClusterError(f"{where}.comm_overlap ({overlap!r}) must be a number from 0 to 1")
-    return NodeKind(name, cores, memory, gemm, stream, **roof, comm_overlap=float(overlap))
+    cpu = _number(f"{where}.comm_cpu_s_per_byte", raw.get("comm_cpu_s_per_byte", 0.0),
+                  positive=False)
+    if cpu < 0:
+        raise ClusterError(f"{where}.comm_cpu_s_per_byte ({cpu!r}) must be 0 or more")
+    return NodeKind(name, cores, memory, gemm, stream, **roof, comm_overlap=float(overlap),
+                    comm_cpu_s_per_byte=cpu)
 
 
 def _roofline(raw: dict, where: str) -> dict:
@@ -396,6 +409,8 @@ def to_toml(c: Cluster) -> str:
                                                    sorted(k.stream.items())) + " }")
         if k.comm_overlap != 1.0:
             lines.append(f"comm_overlap = {k.comm_overlap:.3f}")
+        if k.comm_cpu_s_per_byte:
+            lines.append(f"comm_cpu_s_per_byte = {k.comm_cpu_s_per_byte:.4e}")
         lines.append("")
     for kind, count in c.nodes:
         lines += ["[[nodes]]", f'kind = "{kind}"', f"count = {count}", ""]

@@ -25,12 +25,21 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
 * data parallelism, per step: the gradients of this rank summed over dp (ring
   all-reduce; ZeRO: reduce-scatter, then an all-gather of the updated parameters
   after the optimizer; hierarchical: a reduce-scatter in the node (the reduce), an
-  all-reduce among the node leaders, an all-gather in the node (the broadcast)). The
-  buckets launch during the last microbatch's backward, so **exposed = max(0,
-  reduction - overlap * window)**, the window being that backward less the time to
-  fill the first bucket and ``overlap`` the node kind's ``comm_overlap`` (the share of
-  a sum that hides under compute: 1 unless the description says less; on nodes whose
-  only core computes, the sum's progress waits for it); ZeRO's all-gather is never hidden.
+  all-reduce among the node leaders, an all-gather in the node (the broadcast)), in
+  the engine's buckets (``grad_buckets``: ``bucket_mb`` each, in backward order). A
+  bucket is ready when the engine reports its last gradient final (``ready_times``:
+  with one stage, the last microbatch's backward piece by piece, head first and the
+  embedding last; with more, each chunk whole at the end of its last backward in the
+  replayed schedule), and the buckets go over the data group one after the other,
+  each when it is ready and the one before it is done; **exposed = what runs past the
+  end of the step's compute** (so the last buckets, ready as the backward ends, are
+  always exposed, and a pipeline stage's sum overlaps only the other stages' remaining
+  work). Two properties of the node kind refine it: ``comm_overlap`` (the share of a
+  sum that hides, 1 unless the description says less: exposed moves linearly to the
+  whole sum at 0) and ``comm_cpu_s_per_byte`` (the CPU a byte sent across nodes costs,
+  TCP's copies and stack: the part of the sum that ran during compute adds that much
+  to the step; measured by ``calibrate --emulated``, 0 for RDMA adapters). ZeRO's
+  all-gather is never hidden.
   Periodic averaging strategies send the parameters (an all-reduce) every
   ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;
@@ -66,6 +75,7 @@ from hpctrain.parallel import recompute as recompute_modes
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
 from hpctrain.plan.cluster import from_dict as cluster_from_dict
+from hpctrain.plan.cluster import volume as cl_volume
 
 GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
@@ -387,7 +397,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         again_bytes = {"none": 0.0, "full": f_bytes, "selective": score_bytes,
                        "attention": score_bytes}[rc]
         tp_op = tp_collective_s(cluster, tp, s * n_tokens * m.d_model, sp, tp_inter)
-        times = {}
+        times, pieces = {}, {}
         chunks = [c * pp + r for c in range(v)]
         blocks = 0
         act_max = 0
@@ -414,6 +424,15 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             link_f = 0.0 if last else p2p
             link_b = 0.0 if first else p2p
             times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
+            # the backward's pieces in the order it runs them (head, each block's MLP
+            # and attention halves from the last block, the embedding), for the times
+            # at which the data-parallel buckets are ready
+            blk_b = 2 * blk_f + again + (4 if rc == "full" else 2) * tp_op \
+                + ((b_bytes + again_bytes) / stream if stream else 0.0)
+            mlp_f = _gemm(slow, rpn, n_tokens, m.ffn_dim // tp, m.d_model) \
+                + _gemm(slow, rpn, n_tokens, m.d_model, m.ffn_dim // tp)
+            pieces[k] = (bwd + comm_b - nb * blk_b if last else 0.0, nb * [blk_b],
+                         min(1.0, mlp_f / blk_f))
             act_max = max(act_max, mem.chunk_activation_bytes(
                 m, b, tp, sp, nb, first, last, pp > 1, rc, e.cache,
                 e.work if e.work != e.cache else None))
@@ -437,9 +456,9 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         memory = mem.Memory(params, grads, optim, live[r] * act_max, work, buckets, retained)
         per_rank.append(dict(kinds=kinds, slow=slow, small=small, stream=stream,
                              blocks=blocks, chunks=chunks, memory=memory,
-                             numel=sum(sizes)))
+                             numel=sum(sizes), pieces=pieces))
 
-    makespan, busy = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
+    makespan, busy, ends = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
     ranks = []
     for r, info in enumerate(per_rank):
         times = chunk_times[r]
@@ -447,10 +466,17 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         tp_s = sum(mb * (cf + cb) for _, _, cf, cb, _, _ in times.values())
         link = sum(mb * (lf + lb) for *_, lf, lb in times.values())
         bubble = max(0.0, makespan - busy[r])
-        last_bwd = sum(times[k][1] + times[k][3] for k in info["chunks"][:1])
         hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
-        window = hidden * last_bwd if practice.dp_overlap else 0.0
-        dp_s = dp_time(cfg, cluster, info["numel"] * s, rpn, dp_inter, window)
+        cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter else 0.0
+        zero_align = dp if par.zero else 1
+        buckets = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
+        if practice.dp_overlap:
+            ready = ready_times(info["pieces"], times, ends[r], makespan, pp)
+            buckets = [(nbytes, ready[unit]) for nbytes, unit in buckets]
+        else:  # the sum after the backward
+            buckets = [(nbytes, makespan) for nbytes, _ in buckets]
+        dp_s = dp_time(cfg, cluster, buckets, makespan, rpn, dp_inter, hidden, cpu,
+                       info["numel"] * s)
         passes = (NUMBA_OPT_PASSES if kernels == "numba" else OPT_PASSES).get(t.optimizer, 10)
         opt_bytes = (practice.master_bytes or s) * passes * \
             info["numel"] * (1 if par.zero == 0 else 1 / dp) + s * GRAD_PASSES * info["numel"]
@@ -521,13 +547,87 @@ def reduction_s(cluster: Cluster, op: str, dp: int, nbytes: float, rpn: int, tp:
             + cluster.collective_time("all_gather", local, nbytes, False))
 
 
-def dp_time(cfg: Config, cluster: Cluster, grad_bytes: float, rpn: int, inter: bool,
-            window: float) -> float:
-    """Exposed seconds per step of the data-parallel sums (module docstring)."""
+@lru_cache(maxsize=4096)
+def grad_buckets(m: ModelConfig, tp: int, pp: int, v: int, balance: str, pp_rank: int,
+                 itemsize: int, bucket_mb: float, align: int) -> tuple[tuple[int, tuple], ...]:
+    """The data-parallel buckets of a pipeline rank's gradients, in launch order: (bytes,
+    the unit whose end makes the bucket ready). The engine's plan (``data.plan_buckets``
+    over the parameters in backward order); the units are what the engine reports
+    final: with one pipeline stage the backward's pieces (``("head",)``, ``("mlp", j)``,
+    ``("attn", j)`` for block j, ``("embed",)``), with more each model chunk whole
+    (``("chunk", k)``) at the end of its last backward."""
+    from hpctrain.parallel.data import plan_buckets
+
+    spans = mem.chunk_blocks(m, pp, v, balance)
+    params = []  # (elements, unit) in model order
+    for k in sorted(mem.rank_chunks(m, pp, v, balance, pp_rank)):
+        whole = ("chunk", k)
+        if k == 0:
+            params += [(n, whole if pp > 1 else ("embed",)) for n in mem.embed_sizes(m, tp)]
+        for j in range(*spans[k]):
+            sizes = mem.block_sizes(m, tp)  # ln1, attn (6), then ln2, mlp (6)
+            params += [(n, whole if pp > 1 else ("attn", j)) for n in sizes[:6]]
+            params += [(n, whole if pp > 1 else ("mlp", j)) for n in sizes[6:]]
+        if k == len(spans) - 1:
+            params += [(n, whole if pp > 1 else ("head",)) for n in mem.head_sizes(m, tp, pp)]
+    backward = params[::-1]
+    order = _unit_order(m, pp, spans)
+    out = []
+    for first, stop, _, size in plan_buckets([n for n, _ in backward], itemsize, bucket_mb,
+                                             align):
+        unit = max((u for _, u in backward[first:stop]), key=order.index)
+        out.append((size * itemsize, unit))
+    return tuple(out)
+
+
+def _unit_order(m: ModelConfig, pp: int, spans) -> list[tuple]:
+    """The units of ``grad_buckets`` in the order the backward completes them."""
+    if pp > 1:
+        return [("chunk", k) for k in reversed(range(len(spans)))]
+    blocks = range(spans[0][0], spans[-1][1])
+    return [("head",)] + [u for j in reversed(blocks) for u in (("mlp", j), ("attn", j))] \
+        + [("embed",)]
+
+
+def ready_times(pieces: dict, times: dict, ends: dict, makespan: float, pp: int) -> dict:
+    """Seconds into the step's compute at which each unit of ``grad_buckets`` is final.
+
+    One stage: the last microbatch's backward, which ends at the makespan, runs the head,
+    each block's MLP half then its attention half (the block's backward split by their
+    GEMM time) from the last block, then the embedding. More stages: each chunk at the
+    end of its last backward on this rank, from the schedule's replay (``ends``)."""
+    if pp > 1:
+        return {("chunk", k): end for k, end in ends.items()}
+    (k, (head, blocks, mlp_share)), = pieces.items()
+    f, b, cf, cb, lf, lb = times[k]
+    t = makespan - (b + cb + lb)  # the last backward starts
+    ready = {("head",): t + head}
+    t += head
+    for j, blk in zip(reversed(range(len(blocks))), blocks, strict=True):
+        t += mlp_share * blk
+        ready[("mlp", j)] = t
+        t += (1.0 - mlp_share) * blk
+        ready[("attn", j)] = t
+    ready[("embed",)] = makespan
+    return ready
+
+
+def dp_time(cfg: Config, cluster: Cluster, buckets: list[tuple[float, float]],
+            makespan: float, rpn: int, inter: bool, hidden: float = 1.0,
+            cpu_per_byte: float = 0.0, grad_bytes: float | None = None) -> float:
+    """Exposed seconds per step of the data-parallel sums (module docstring).
+
+    ``buckets``: (bytes, ready seconds) in launch order; ``makespan``: when the step's
+    compute ends. The buckets go over the data group one after the other, each when it
+    is ready and the one before it is done; what runs past the makespan is exposed.
+    ``hidden`` (the node kind's ``comm_overlap``) moves it linearly towards the whole
+    sum exposed (0). ``cpu_per_byte`` (``comm_cpu_s_per_byte``): the CPU the part that
+    ran during compute took from it, per byte each rank sent."""
     par = cfg.parallel
     dp, tp = par.dp, par.tp
     if dp == 1:
         return 0.0
+    grad_bytes = sum(n for n, _ in buckets) if grad_bytes is None else grad_bytes
     hier = par.dp_reduce == "hierarchical"
     if par.averaging != "sync":
         every = par.average_every
@@ -536,21 +636,29 @@ def dp_time(cfg: Config, cluster: Cluster, grad_bytes: float, rpn: int, inter: b
             local = max(1, min(dp, rpn // tp))
             return cluster.collective_time("all_reduce", local, grad_bytes, False) + across
         return across
-    fill = min(1.0, par.bucket_mb * 2**20 / max(grad_bytes, 1.0))
-    window *= 1.0 - fill
+    op = "all_reduce" if par.zero == 0 else "reduce_scatter"
+    end = whole = cpu = 0.0
+    for nbytes, ready in buckets:
+        took = reduction_s(cluster, op, dp, nbytes, rpn, tp, hier, inter)
+        start = max(end, ready)
+        end = start + took
+        whole += took
+        if cpu_per_byte and took > 0:  # the share of this sum that ran during compute
+            during = min(1.0, max(0.0, (makespan - start) / took))
+            cpu += cpu_per_byte * cl_volume(op, dp, nbytes) * during
+    exposed = hidden * (max(0.0, end - makespan) + cpu) + (1.0 - hidden) * whole
     if par.zero == 0:
-        return max(0.0, reduction_s(cluster, "all_reduce", dp, grad_bytes, rpn, tp, hier,
-                                    inter) - window)
-    scatter = reduction_s(cluster, "reduce_scatter", dp, grad_bytes, rpn, tp, hier, inter)
+        return exposed
     gather = cluster.collective_time("all_gather", dp, grad_bytes, inter)
     if par.zero == 3 and par.reshard_after_forward:  # gathered for forward and backward
         gather *= 2
-    return max(0.0, scatter - window) + gather
+    return exposed + gather
 
 
 def _pipeline(orders, chunk_times, n_chunks: int, pp: int, mb: int, v: int,
-              replay: bool) -> tuple[float, list[float]]:
-    """(makespan, busy seconds per rank) of the compute+tp+p2p operations."""
+              replay: bool) -> tuple[float, list[float], list[dict[int, float]]]:
+    """(makespan, busy seconds per rank, per rank the end of each of its chunks' last
+    backward) of the compute+tp+p2p operations."""
     def dur(r, k, kind):
         f, b, cf, cb, lf, lb = chunk_times[r][k]
         return f + cf + lf if kind == "F" else b + cb + lb
@@ -558,13 +666,20 @@ def _pipeline(orders, chunk_times, n_chunks: int, pp: int, mb: int, v: int,
     busy = [sum(mb * (dur(r, k, "F") + dur(r, k, "B")) for k in chunk_times[r])
             for r in range(pp)]
     if pp == 1:
-        return busy[0], busy
+        return busy[0], busy, [dict.fromkeys(chunk_times[0], busy[0])]
     if not replay:
         worst = max(dur(r, k, "F") + dur(r, k, "B") for r in range(pp) for k in chunk_times[r])
-        return max(busy) + (pp - 1) * worst, busy
+        makespan = max(busy) + (pp - 1) * worst
+        return makespan, busy, [dict.fromkeys(chunk_times[r], makespan) for r in range(pp)]
     from hpctrain.parallel import timeline
 
     compute = [[(kind, op.chunk, op.mb, dur(r, op.chunk, kind))
                 for op in ops if (kind := timeline.COMPUTE.get(op.verb))]
                for r, ops in enumerate(orders)]
-    return timeline.replay(compute, n_chunks).makespan, busy
+    played = timeline.replay(compute, n_chunks)
+    ends = [{} for _ in range(pp)]
+    for r, spans in enumerate(played.spans):
+        for _, stop, kind, k, _ in spans:
+            if kind == "B":
+                ends[r][k] = max(ends[r].get(k, 0.0), stop)
+    return played.makespan, busy, ends

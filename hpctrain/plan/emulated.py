@@ -19,7 +19,13 @@ the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
   p = ``NODES`` ranks, one a node, and a ping-pong between nodes 0 and 1, fitted per
   op by ``calibrate.fit_pieces``. The switch port of node 0 counts what the node sent;
   a job whose count is below ``MIN_ON_LINK`` of what the ring model says rank 0 sent
-  did not go over the link (UCX chose shared memory), and is an error.
+  did not go over the link (UCX chose shared memory), and is an error;
+* **the CPU a byte costs** (``comm_cpu_s_per_byte``): the two largest messages again
+  over all nodes with the links set to ``UNSHAPED_BPS``, where the nodes' cores and
+  not their links bound the collectives (UCX over TCP copies every byte, and the
+  kernel's TCP stack runs on the node's core): the slope of time over the bytes a rank
+  sends (``cpu_per_byte``). A sum hidden under the backward takes that CPU from it
+  (``cost.dp_time``).
 
 Every node has one rank, so no collective stays inside a node: ``[links.intra]`` is a
 copy of ``[links.inter]`` and the file says so. ``describe`` is the pure part (what a
@@ -40,6 +46,7 @@ from hpctrain.plan import cluster as cl
 
 NAME, SUBNET = "hpctcal", "10.223.0.0/24"  # the calibration's own cluster and switch
 MIN_ON_LINK = 0.9  # node 0's port must count at least this share of rank 0's ring bytes
+UNSHAPED_BPS = 100 * 10**9  # links for the CPU measurement: faster than a core moves bytes
 DEFAULT_MESSAGES = tuple(cal.KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 QUICK_MESSAGES = (cal.KiB, 64 * cal.KiB, cal.MiB)
 
@@ -73,14 +80,16 @@ class Measured:
     samples: list[cal.Sample]
     on_link: list[tuple[int, float, int]]  # per job: (ranks, ring bytes of rank 0, port bytes)
     memory_bytes: float  # this machine's memory
+    unshaped: tuple = ()  # the collectives again on links too fast to bound them (Samples)
 
 
 def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str]]:
     """The description (one node kind, ``m.nodes`` nodes, fitted inter links copied to
     intra) and the fit report's lines. Pure."""
     gemm = {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm.items()))}
+    cpu = cpu_per_byte(list(m.unshaped))
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
-                       {1: statistics.median(m.stream)})
+                       {1: statistics.median(m.stream)}, comm_cpu_s_per_byte=cpu)
     links, report = {}, []
     for op in cl.OPS:
         mine = [s for s in m.samples if s.op == op]
@@ -88,7 +97,30 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
         report += cal.fit_report(op, links[op], mine)
     cluster = cl.Cluster(name or f"emulated-{m.nodes}x{m.link}", "mpiexec", {"node": kind},
                          (("node", m.nodes),), {"intra": dict(links), "inter": links})
+    if m.unshaped:
+        report.append(f"  CPU a byte sent costs a node (the collectives on unshaped links): "
+                      f"{cpu * 1e9:.3f} ns (comm_cpu_s_per_byte)")
     return cluster, report
+
+
+def cpu_per_byte(samples: list[cal.Sample]) -> float:
+    """Seconds of a node's core per byte a rank sends, from collectives timed on links
+    too fast to bound them (so the cores do): for each op and group size, the slope of
+    time over the ring model's bytes sent between its two largest messages (latency
+    drops out); the median of the slopes, 0 if none is positive. Pure."""
+    slopes = []
+    for key in sorted({(s.op, s.p) for s in samples}):
+        mine = sorted((s for s in samples if (s.op, s.p) == key), key=lambda s: s.nbytes)
+        if len({s.nbytes for s in mine}) < 2:
+            continue
+        big_n = mine[-1].nbytes
+        small_n = max(s.nbytes for s in mine if s.nbytes < big_n)
+        t_big = statistics.median(s.seconds for s in mine if s.nbytes == big_n)
+        t_small = statistics.median(s.seconds for s in mine if s.nbytes == small_n)
+        dv = cl.volume(key[0], key[1], big_n) - cl.volume(key[0], key[1], small_n)
+        if dv > 0:
+            slopes.append((t_big - t_small) / dv)
+    return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
 def check_on_link(on_link: list[tuple[int, float, int]]) -> list[str]:
@@ -156,7 +188,20 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
                 stream = result["stream"]
             samples += [cal.Sample(**s) for s in result["samples"]]
             click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
-    return Measured(nodes, link, gemm, stream, samples, on_link, cal.memory_gib() * 2**30)
+        # the CPU a byte costs: the largest messages again with the links unshaped,
+        # where a node's core, not its link, sets the pace
+        big = tuple(sorted(settings.messages)[-2:])
+        click.echo(f"== {nodes} node(s), links at {UNSHAPED_BPS / 1e9:.0f} Gbit/s: the "
+                   f"collectives' CPU", err=True)
+        t0 = time.perf_counter()
+        for node in spec.nodes:
+            net.shape_link(spec, node, UNSHAPED_BPS)
+        result = cal.run_worker(mpiexec, nodes, 1, (), big, (1, settings.comm_repeats),
+                                timeout, command=command)
+        unshaped = tuple(cal.Sample(**s) for s in result["samples"])
+        click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
+    return Measured(nodes, link, gemm, stream, samples, on_link, cal.memory_gib() * 2**30,
+                    unshaped)
 
 
 def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec: str,

@@ -24,7 +24,8 @@ count over the predicted time::
 What the paper does not give per row, taken the same for all: microbatch size 1 (its
 Table 2 and section 3.5: small microbatches for large models); the non-interleaved
 1F1B schedule (it does not say which rows ran the interleaved one); data-parallel
-all-reduce after the backward, not overlapped (Megatron's 2021 engine); fp16 weights,
+all-reduce after the backward, not overlapped, of the whole gradient buffer at once
+(Megatron's 2021 engine: one bucket, ``WHOLE_BUCKET_MB``); fp16 weights,
 gradients and messages with fp32 master weights and Adam state; full recomputation of
 every transformer layer; pipeline messages split over the 8 tensor-parallel ranks'
 adapters (its scatter/gather optimisation); fused element-wise kernels.
@@ -102,6 +103,9 @@ ROWS = (
 )
 
 
+WHOLE_BUCKET_MB = 2.0**20  # a bucket larger than any row's gradients: one all-reduce
+
+
 def row_config(row: Row, microbatch: int = 1, schedule: str = "1f1b") -> Config:
     """The row's GPT (tied embeddings, learned positions, 4h MLP: Megatron's GPT) at
     its layout, validated by the same rules as ``hpctrain train``."""
@@ -110,7 +114,8 @@ def row_config(row: Row, microbatch: int = 1, schedule: str = "1f1b") -> Config:
                      "tie_embeddings": True},
            "parallel": {"dp": row.dp, "tp": row.tp, "pp": row.pp,
                         "microbatches": row.batch // (row.dp * microbatch),
-                        "schedule": schedule if row.pp > 1 else "1f1b"},
+                        "schedule": schedule if row.pp > 1 else "1f1b",
+                        "bucket_mb": WHOLE_BUCKET_MB},
            "train": {"batch_size": row.batch}}
     return config.from_dict(raw, source=f"published {row.name}").validate(row.gpus)
 
