@@ -424,15 +424,14 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             link_f = 0.0 if last else p2p
             link_b = 0.0 if first else p2p
             times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
-            # the backward's pieces in the order it runs them (head, each block's MLP
-            # and attention halves from the last block, the embedding), for the times
-            # at which the data-parallel buckets are ready
-            blk_b = 2 * blk_f + again + (4 if rc == "full" else 2) * tp_op \
-                + ((b_bytes + again_bytes) / stream if stream else 0.0)
-            mlp_f = _gemm(slow, rpn, n_tokens, m.ffn_dim // tp, m.d_model) \
-                + _gemm(slow, rpn, n_tokens, m.d_model, m.ffn_dim // tp)
-            pieces[k] = (bwd + comm_b - nb * blk_b if last else 0.0, nb * [blk_b],
-                         min(1.0, mlp_f / blk_f))
+            if pp == 1:  # the backward's pieces, for when the buckets are ready
+                # (head, each block's MLP then attention half from the last block,
+                # the embedding; a pipeline reports each chunk whole instead)
+                blk_b = 2 * blk_f + again + (4 if rc == "full" else 2) * tp_op \
+                    + ((b_bytes + again_bytes) / stream if stream else 0.0)
+                mlp_f = _gemm(slow, rpn, n_tokens, m.ffn_dim // tp, m.d_model) \
+                    + _gemm(slow, rpn, n_tokens, m.d_model, m.ffn_dim // tp)
+                pieces[k] = (bwd + comm_b - nb * blk_b, nb * [blk_b], min(1.0, mlp_f / blk_f))
             act_max = max(act_max, mem.chunk_activation_bytes(
                 m, b, tp, sp, nb, first, last, pp > 1, rc, e.cache,
                 e.work if e.work != e.cache else None))
@@ -469,13 +468,13 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
         cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter else 0.0
         zero_align = dp if par.zero else 1
-        buckets = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
+        planned = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
         if practice.dp_overlap:
             ready = ready_times(info["pieces"], times, ends[r], makespan, pp)
-            buckets = [(nbytes, ready[unit]) for nbytes, unit in buckets]
+            sums = [(nbytes, ready[unit]) for nbytes, unit in planned]
         else:  # the sum after the backward
-            buckets = [(nbytes, makespan) for nbytes, _ in buckets]
-        dp_s = dp_time(cfg, cluster, buckets, makespan, rpn, dp_inter, hidden, cpu,
+            sums = [(nbytes, makespan) for nbytes, _ in planned]
+        dp_s = dp_time(cfg, cluster, sums, makespan, rpn, dp_inter, hidden, cpu,
                        info["numel"] * s)
         passes = (NUMBA_OPT_PASSES if kernels == "numba" else OPT_PASSES).get(t.optimizer, 10)
         opt_bytes = (practice.master_bytes or s) * passes * \
@@ -559,23 +558,13 @@ def grad_buckets(m: ModelConfig, tp: int, pp: int, v: int, balance: str, pp_rank
     from hpctrain.parallel.data import plan_buckets
 
     spans = mem.chunk_blocks(m, pp, v, balance)
-    params = []  # (elements, unit) in model order
-    for k in sorted(mem.rank_chunks(m, pp, v, balance, pp_rank)):
-        whole = ("chunk", k)
-        if k == 0:
-            params += [(n, whole if pp > 1 else ("embed",)) for n in mem.embed_sizes(m, tp)]
-        for j in range(*spans[k]):
-            sizes = mem.block_sizes(m, tp)  # ln1, attn (6), then ln2, mlp (6)
-            params += [(n, whole if pp > 1 else ("attn", j)) for n in sizes[:6]]
-            params += [(n, whole if pp > 1 else ("mlp", j)) for n in sizes[6:]]
-        if k == len(spans) - 1:
-            params += [(n, whole if pp > 1 else ("head",)) for n in mem.head_sizes(m, tp, pp)]
-    backward = params[::-1]
-    order = _unit_order(m, pp, spans)
+    backward = [(n, ("chunk", k) if pp > 1 else piece)
+                for n, k, piece in reversed(mem.rank_params(m, tp, pp, v, balance, pp_rank))]
+    order = {unit: i for i, unit in enumerate(_unit_order(m, pp, spans))}
     out = []
     for first, stop, _, size in plan_buckets([n for n, _ in backward], itemsize, bucket_mb,
                                              align):
-        unit = max((u for _, u in backward[first:stop]), key=order.index)
+        unit = max((u for _, u in backward[first:stop]), key=order.__getitem__)
         out.append((size * itemsize, unit))
     return tuple(out)
 
@@ -599,7 +588,7 @@ def ready_times(pieces: dict, times: dict, ends: dict, makespan: float, pp: int)
     if pp > 1:
         return {("chunk", k): end for k, end in ends.items()}
     (k, (head, blocks, mlp_share)), = pieces.items()
-    f, b, cf, cb, lf, lb = times[k]
+    _, b, _, cb, _, lb = times[k]
     t = makespan - (b + cb + lb)  # the last backward starts
     ready = {("head",): t + head}
     t += head
@@ -638,8 +627,11 @@ def dp_time(cfg: Config, cluster: Cluster, buckets: list[tuple[float, float]],
         return across
     op = "all_reduce" if par.zero == 0 else "reduce_scatter"
     end = whole = cpu = 0.0
+    priced: dict[float, float] = {}  # the buckets are mostly of one size
     for nbytes, ready in buckets:
-        took = reduction_s(cluster, op, dp, nbytes, rpn, tp, hier, inter)
+        if nbytes not in priced:
+            priced[nbytes] = reduction_s(cluster, op, dp, nbytes, rpn, tp, hier, inter)
+        took = priced[nbytes]
         start = max(end, ready)
         end = start + took
         whole += took

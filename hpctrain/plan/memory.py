@@ -113,21 +113,30 @@ def rank_chunks(m: ModelConfig, pp: int, v: int, balance: str, pp_rank: int) -> 
     return [c * pp + pp_rank for c in range(v)]
 
 
-def rank_param_sizes(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
-                     pp_rank: int) -> list[int]:
-    """Sizes of this rank's parameters in model order (the engine's ``params``)."""
+def rank_params(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
+                pp_rank: int) -> list[tuple[int, int, tuple]]:
+    """This rank's parameters in model order (the engine's ``params``): (elements, model
+    chunk, the backward piece holding it: ``("embed",)``, ``("attn", j)`` (block j's
+    ln1 and attention), ``("mlp", j)`` (its ln2 and MLP) or ``("head",)``)."""
     spans = chunk_blocks(m, pp, v, balance)
-    n_chunks = len(spans)
-    sizes = []
+    params = []
     for k in sorted(rank_chunks(m, pp, v, balance, pp_rank)):
         start, stop = spans[k]
         if k == 0:
-            sizes += embed_sizes(m, tp)
-        for _ in range(start, stop):
-            sizes += block_sizes(m, tp)
-        if k == n_chunks - 1:
-            sizes += head_sizes(m, tp, pp)
-    return sizes
+            params += [(n, k, ("embed",)) for n in embed_sizes(m, tp)]
+        for j in range(start, stop):
+            sizes = block_sizes(m, tp)
+            params += [(n, k, ("attn", j)) for n in sizes[:6]]
+            params += [(n, k, ("mlp", j)) for n in sizes[6:]]
+        if k == len(spans) - 1:
+            params += [(n, k, ("head",)) for n in head_sizes(m, tp, pp)]
+    return params
+
+
+def rank_param_sizes(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
+                     pp_rank: int) -> list[int]:
+    """Sizes of this rank's parameters in model order (the engine's ``params``)."""
+    return [n for n, _, _ in rank_params(m, tp, pp, v, balance, pp_rank)]
 
 
 # ---------------------------------------------------------------------------------
