@@ -57,7 +57,7 @@ data/movielens.h5: | $(VENV)/.installed
 demo: install data/shakespeare.h5 ## install, prepare Shakespeare, train a small GPT (a few minutes)
 	$(BIN)/hpctrain train --config configs/gpt-shakespeare.toml --run-dir runs/demo
 
-bench: install data/shakespeare.h5 ## the benchmark GPT at serial, dp=2, tp=2, pp=2: MFU and time breakdown
+bench: install data/shakespeare.h5 ## the benchmark GPT at serial, serial-split, dp=2, tp=2, pp=2: MFU and time breakdown
 	$(BIN)/hpctrain bench --out runs/bench
 
 bench-cluster: install data/shakespeare.h5 ## links, flat vs hierarchical sync, GPT across nodes, per-node GEMM (root, ~10 min)

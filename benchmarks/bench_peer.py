@@ -16,8 +16,12 @@ the same model in PyTorch (serial, or DDP over gloo under torchrun for dp2), wit
 ``torch.set_num_threads`` at the BLAS threads hpctrain's ranks chose; and the per-step
 GEMM probe (``gemm_shapes.py``): every product of a rank's step at its own shape, each
 timed alone, all ranks at once, with NumPy's BLAS (the one hpctrain uses) and with
-torch's. Models: ``gpt`` (6 layers, d_model 384, 6 heads, T 256, V 256, global batch
-8) and ``gpt-large`` (12 layers, d_model 768, 12 heads, the rest the same).
+torch's. Layouts: ``serial`` (one process, BLAS on its 2 threads), ``serial-split``
+(one process, its batch split over its 2 threads, ``[parallel] batch_threads``; compared
+with the same repetition's PyTorch serial run, its probe is two 1-thread workers of half
+the batch each, as the threads run), ``dp2``. Models: ``gpt`` (6 layers, d_model 384,
+6 heads, T 256, V 256, global batch 8) and ``gpt-large`` (12 layers, d_model 768, 12
+heads, the rest the same).
 
 Printed per model and layout (medians over the repetitions, the ratio's range):
 tokens/s of each, hpctrain / PyTorch, hpctrain's MFU as ``hpctrain bench`` gives it
@@ -46,8 +50,13 @@ sys.path.insert(0, str(HERE))
 from gemm_shapes import gpt_gemms, step_rate  # noqa: E402  (beside this script)
 
 MODELS = ("gpt", "gpt-large")
-LAYOUTS = ("serial", "dp2")
-RANKS = {"serial": 1, "dp2": 2}
+LAYOUTS = ("serial", "serial-split", "dp2")
+RANKS = {"serial": 1, "serial-split": 1, "dp2": 2}
+# the PyTorch layout each is compared with: one process, its 2 threads, for both serials
+TORCH_LAYOUT = {"serial": "serial", "serial-split": "serial", "dp2": "dp2"}
+# processes x threads of the per-step GEMM probe: a rank's products as they run, so
+# serial-split's are half the rows each, on one thread, two at once
+PROBE_WORKERS = {"serial": 1, "serial-split": 2, "dp2": 2}
 
 
 def _env() -> dict[str, str]:
@@ -180,12 +189,12 @@ def run_torch(peer: Path, model: str, layout: str, *, threads: int, steps: int, 
     return json.loads(result.read_text())
 
 
-def run_probes(peer: Path, model: str, layout: str, *, threads: int, out: Path,
+def run_probes(peer: Path, model: str, ranks: int, *, threads: int, out: Path,
                timeout: int) -> dict:
-    """The per-step GEMM probe of one rank's share of the batch, on every rank of the
-    layout at once (one process each), with NumPy's BLAS and with torch's."""
+    """The per-step GEMM probe of one worker's share of the batch (a rank's, or a batch
+    thread's), on ``ranks`` workers at once (one process each, ``threads`` threads),
+    with NumPy's BLAS and with torch's."""
     shape = model_shape(model)
-    ranks = RANKS[layout]
     local = shape["batch_size"] // ranks
     gemms = gpt_gemms(batch=local, **{k: v for k, v in shape.items() if k != "batch_size"})
     shapes = out / "probe-shapes.json"
@@ -204,7 +213,8 @@ def run_probes(peer: Path, model: str, layout: str, *, threads: int, out: Path,
             procs.append(subprocess.Popen(cmd, env=_env()))
         for p in procs:
             if p.wait(timeout=timeout) != 0:
-                raise SystemExit(f"the {lib} GEMM probe of {model} {layout} failed")
+                raise SystemExit(f"the {lib} GEMM probe of {model} on {ranks} process(es) "
+                                 f"failed")
         per_rank = []
         for f in files:
             figures = json.loads(f.read_text())
@@ -215,13 +225,17 @@ def run_probes(peer: Path, model: str, layout: str, *, threads: int, out: Path,
 
 
 def one_run(peer: Path, model: str, layout: str, rep: int, args, tokens: Path,
-            out: Path) -> dict:
-    """hpctrain and PyTorch (the first alternating with ``rep``), then the probes."""
+            out: Path, torch_done: dict | None = None) -> dict:
+    """hpctrain and PyTorch (the first alternating with ``rep``), then the probes.
+    ``torch_done``: PyTorch's figures of this layout's counterpart, already measured in
+    this repetition (serial-split is compared with the serial run's)."""
     out.mkdir(parents=True, exist_ok=True)
     threads = None
     order = ("hpctrain", "pytorch") if rep % 2 == 0 else ("pytorch", "hpctrain")
-    figures = {}
+    figures = {} if torch_done is None else {"pytorch": torch_done}
     for who in order:
+        if who in figures:
+            continue
         print(f"== rep {rep + 1}, {model} {layout}: {who} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         if who == "hpctrain":
@@ -232,7 +246,8 @@ def one_run(peer: Path, model: str, layout: str, rep: int, args, tokens: Path,
             # rule before hpctrain has run once
             threads = (figures["hpctrain"]["blas_threads"] if "hpctrain" in figures
                        else max(1, (os.cpu_count() or 1) // RANKS[layout]))
-            figures[who] = run_torch(peer, model, layout, threads=threads, steps=args.steps,
+            figures[who] = run_torch(peer, model, TORCH_LAYOUT[layout], threads=threads,
+                                     steps=args.steps,
                                      warmup=args.warmup, tokens=tokens, out=out,
                                      timeout=args.timeout)
         print(f"   {who}: {figures[who]['tokens_per_s']:.0f} tok/s, "
@@ -241,8 +256,9 @@ def one_run(peer: Path, model: str, layout: str, rep: int, args, tokens: Path,
     if hp["blas_threads"] != pt["threads"]:
         raise SystemExit(f"threads differ: hpctrain {hp['blas_threads']}, PyTorch "
                          f"{pt['threads']} ({model} {layout})")
-    probes = run_probes(peer, model, layout, threads=hp["blas_threads"], out=out,
-                        timeout=args.timeout)
+    workers = PROBE_WORKERS[layout]
+    probes = run_probes(peer, model, workers, out=out, timeout=args.timeout,
+                        threads=hp["blas_threads"] * hp["ranks"] // workers)
     return {"model": model, "layout": layout, "rep": rep + 1, "ranks": hp["ranks"],
             "threads": hp["blas_threads"], "hpctrain": hp, "pytorch": pt,
             "ratio": hp["tokens_per_s"] / pt["tokens_per_s"],
@@ -258,10 +274,10 @@ def one_run(peer: Path, model: str, layout: str, rep: int, args, tokens: Path,
 
 def table(runs: list[dict]) -> str:
     """One row per model and layout: medians over the repetitions, the ratio's range."""
-    head = (f"{'model':<10} {'layout':<7} {'ranks':>5} {'thr':>3} | {'hpctrain':>9} "
+    head = (f"{'model':<10} {'layout':<12} {'ranks':>5} {'thr':>3} | {'hpctrain':>9} "
             f"{'pytorch':>9} {'ratio':>6} {'(range)':>13} | {'MFU':>6} {'MFU/step':>8} "
             f"{'probe np':>8} {'probe pt':>8} {'pt/step':>7}")
-    lines = [head, f"{'':<28} | {'tok/s':>9} {'tok/s':>9} {'':>20} | {'2048^3':>6} "
+    lines = [head, f"{'':<33} | {'tok/s':>9} {'tok/s':>9} {'':>20} | {'2048^3':>6} "
                    f"{'probe':>8} {'GFLOP/s':>8} {'GFLOP/s':>8} {'probe':>7}",
              "-" * len(head)]
     keys = list(dict.fromkeys((r["model"], r["layout"]) for r in runs))
@@ -273,7 +289,7 @@ def table(runs: list[dict]) -> str:
 
         ratios = [r["ratio"] for r in rs]
         lines.append(
-            f"{model:<10} {layout:<7} {rs[0]['ranks']:>5} {rs[0]['threads']:>3} | "
+            f"{model:<10} {layout:<12} {rs[0]['ranks']:>5} {rs[0]['threads']:>3} | "
             f"{med(lambda r: r['hpctrain']['tokens_per_s']):>9.0f} "
             f"{med(lambda r: r['pytorch']['tokens_per_s']):>9.0f} "
             f"{med(lambda r: r['ratio']):>5.2f}x "
@@ -327,9 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rep in range(args.reps):
         for model in args.models or MODELS:
+            done: dict[str, dict] = {}  # PyTorch's figures of this repetition, by layout
             for layout in args.layouts or LAYOUTS:
                 runs.append(one_run(peer, model, layout, rep, args, tokens,
-                                    out / f"rep{rep + 1}" / model / layout))
+                                    out / f"rep{rep + 1}" / model / layout,
+                                    torch_done=done.get(TORCH_LAYOUT[layout])))
+                done.setdefault(TORCH_LAYOUT[layout], runs[-1]["pytorch"])
     pt = runs[0]["pytorch"]
     print(f"\nPyTorch {pt['torch']} (eager, CPU; DDP over gloo), hpctrain's BLAS threads per "
           f"process ({pt['interop_threads']} inter-op threads); {args.reps} repetition(s) of "

@@ -67,6 +67,7 @@ MPIEXEC = str(ROOT / ".venv/bin/mpiexec")
 # name -> (ranks, [parallel])
 LAYOUTS = {
     "serial": (1, {}),
+    "serial-split": (1, {"batch_threads": 0}),  # its batch over the rank's threads
     "dp2": (2, {"dp": 2}),
     "tp2": (2, {"tp": 2}),
     "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
@@ -91,7 +92,7 @@ LAYOUTS = {
 # the layouts of each run: on this machine, and on N emulated one-core nodes (one rank
 # a node; serial runs on the first node alone)
 ON_THIS_MACHINE = [n for n, (ranks, _) in LAYOUTS.items() if ranks <= 2]
-ON_NODES = {2: ON_THIS_MACHINE,
+ON_NODES = {2: [n for n in ON_THIS_MACHINE if n != "serial-split"],  # one core: no split
             4: [n for n, (ranks, _) in LAYOUTS.items() if ranks == 4]}
 CLUSTER_NAME, SUBNET = "hpctplan", "10.224.0.0/24"  # the emulated runs' cluster and switch
 

@@ -7,9 +7,11 @@ GEMM peak each rank measures in the same run, and where the step time goes.
 The benchmark models (``BENCH_MODELS``), each float32, AdamW, evaluation off:
 
     gpt     6 layers, d_model 384, 6 heads, sequence 256, vocabulary 256, global batch
-            8 sequences (2,048 tokens a step); layouts serial, dp2, tp2, pp2
+            8 sequences (2,048 tokens a step); layouts serial, serial-split, dp2, tp2,
+            pp2 (serial-split: one rank, its batch split over its threads)
     gpt-large  12 layers, d_model 768, 12 heads (85M parameters), the rest as gpt;
-            layouts serial, dp2 (the larger model of benchmarks/bench_peer.py)
+            layouts serial, serial-split, dp2 (the larger model of
+            benchmarks/bench_peer.py)
     cnn     the Fashion-MNIST classifier, channels [16, 32], images padded to 32 x 32,
             global batch 128 images; layouts serial, dp2, sp2
     seg3d   the 3-D U-Net, channels [8, 16, 32], 3 classes, 32^3 crops of MNI152,
@@ -72,6 +74,8 @@ BENCH_CONFIG: dict[str, dict[str, Any]] = {
 # name -> (ranks, parallel overrides)
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "serial": (1, {}),
+    # one rank, its batch split over its threads (hpctrain.parallel.batch_threads)
+    "serial-split": (1, {"batch_threads": 0}),
     "dp2": (2, {"dp": 2}),
     "tp2": (2, {"tp": 2}),
     "pp2": (2, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
@@ -97,10 +101,10 @@ def _convolutional(model: dict[str, Any], batch_size: int, data: str) -> dict[st
 
 
 BENCH_MODELS: dict[str, BenchModel] = {
-    "gpt": BenchModel(BENCH_CONFIG, ("serial", "dp2", "tp2", "pp2")),
+    "gpt": BenchModel(BENCH_CONFIG, ("serial", "serial-split", "dp2", "tp2", "pp2")),
     "gpt-large": BenchModel(BENCH_CONFIG | {"model": BENCH_CONFIG["model"]
                                             | {"n_layer": 12, "n_head": 12, "d_model": 768}},
-                            ("serial", "dp2")),
+                            ("serial", "serial-split", "dp2")),
     # image_pad 2: 28 x 28 -> 32 x 32, so sp2 halves every stage's rows (at all layouts,
     # so that the rows compare the same model)
     "cnn": BenchModel(_convolutional({"kind": "cnn", "input_dim": 784, "image_pad": 2,
@@ -293,14 +297,14 @@ def table(results: list[dict[str, Any]]) -> str:
     timed steps)."""
     per_s, unit = (("tokens_per_s", "tok/s") if "tokens_per_s" in results[0]
                    else ("samples_per_s", "samp/s"))
-    head = (f"{'layout':<8} {'ranks':>5} {'ms/step':>8} {unit:>7} {'GFLOP/s':>8} "
+    head = (f"{'layout':<12} {'ranks':>5} {'ms/step':>8} {unit:>7} {'GFLOP/s':>8} "
             f"{'peak':>6} {'MFU':>6} | " + " ".join(f"{c:>9}" for c in COLUMNS))
     lines = [head, "-" * len(head)]
     for r in results:
         step = r["step_time_s"]
         whole = sum(r["time_s"].values()) or 1.0  # the mean step the breakdown adds up to
         shares = " ".join(f"{100 * r['time_s'].get(c, 0.0) / whole:>8.1f}%" for c in COLUMNS)
-        lines.append(f"{r['layout']:<8} {r['ranks']:>5} {1e3 * step:>8.0f} "
+        lines.append(f"{r['layout']:<12} {r['ranks']:>5} {1e3 * step:>8.0f} "
                      f"{r[per_s]:>7.0f} {r['model_flops_per_s'] / 1e9:>8.1f} "
                      f"{r['peak_flops_per_s'] / 1e9:>6.0f} {100 * r['mfu']:>5.1f}% | {shares}")
     return "\n".join(lines)

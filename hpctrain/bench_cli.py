@@ -69,8 +69,9 @@ def bench_command(model: str, layouts: tuple[str, ...], data: str | None, steps:
     """Throughput, model FLOP/s and MFU of a benchmark model at each layout.
 
     The benchmark GPT (default): 6 layers, d_model 384, 6 heads, sequence 256,
-    vocabulary 256, global batch 8; layouts serial, dp2, tp2, pp2. gpt-large: 12
-    layers, d_model 768, 12 heads, the rest the same; serial, dp2. The CNN: the
+    vocabulary 256, global batch 8; layouts serial, serial-split (one rank, its batch
+    split over its threads: [parallel] batch_threads), dp2, tp2, pp2. gpt-large: 12
+    layers, d_model 768, 12 heads, the rest the same; serial, serial-split, dp2. The CNN: the
     Fashion-MNIST classifier (channels 16, 32; images padded to 32 x 32), global batch
     128; the 3-D U-Net (seg3d): channels 8, 16, 32 on 32^3 crops of MNI152, global
     batch 4; both at serial, dp2 and sp2 (spatial parallelism, 2 slabs). Throughput

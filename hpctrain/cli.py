@@ -33,6 +33,7 @@ OVERRIDES = {
     "virtual_stages": "parallel.virtual_stages",
     "pipeline_training": "parallel.pipeline_training",
     "sequence_parallel": "parallel.sequence_parallel",
+    "batch_threads": "parallel.batch_threads",
     "zero": "parallel.zero",
     "reshard_after_forward": "parallel.reshard_after_forward",
     "bucket_mb": "parallel.bucket_mb",
@@ -107,6 +108,12 @@ def _int_list(value: str, name: str) -> list[int]:
                    "forward only.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Shard LayerNorm and residual activations along the sequence (tp > 1).")
+@click.option("--batch-threads", type=int, metavar="N",
+              help="Split each microbatch's rows over N threads a rank, each on one BLAS "
+                   "thread (0: the rank's BLAS threads; 1: off, BLAS splits each product). "
+                   "Faster where the products are small; one gradient copy more a thread. "
+                   "Whole-model ranks only (tp = pp = sp = 1, ZeRO below 3, fp32, no "
+                   "recompute).")
 @click.option("--zero", type=int,
               help="ZeRO stage: 0 plain data parallelism, 1 shard the optimizer state over "
                    "the data group, 2 shard the gradients too, 3 the parameters too "

@@ -171,6 +171,10 @@ class ParallelConfig:
     table_group: int = 0
     table_default: str = "replicated"
     table_sharding: tuple[TableSharding, ...] = ()
+    # threads that split each microbatch's rows inside a rank, each on one BLAS thread
+    # (hpctrain.parallel.batch_threads): 1, the whole microbatch at once with BLAS
+    # splitting each product; 0, as many as the rank's BLAS threads; n, n threads
+    batch_threads: int = 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -263,6 +267,7 @@ class Config:
         _check_train(self.train, par)
         _check_recompute(self.model, par, self.train)
         _check_precision(self.model, par, self.train)
+        _check_batch_threads(self.model, par, self.train)
         return replace(self, parallel=par)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -485,6 +490,19 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
              f"max_skipped_steps ({t.max_skipped_steps}) must be at least 1")
     _require(t.stall_timeout == 0 or t.stall_timeout >= 1,
              f"stall_timeout ({t.stall_timeout}) must be 0 (off) or at least 1 second")
+
+
+def _check_batch_threads(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:
+    """batch_threads: 1 (off) whatever the layout; else a layout and model that allow it."""
+    from hpctrain.parallel.batch_threads import refusal  # imports this module
+
+    _require(par.batch_threads >= 0,
+             f"batch_threads ({par.batch_threads}) must not be negative")
+    if par.batch_threads == 1:
+        return
+    why = refusal(m, par, t)
+    _require(why is None, f"batch_threads ({par.batch_threads}) splits a rank's batch over "
+                          f"threads, but {why}: set batch_threads 1")
 
 
 def _pieces_run(cls, par: ParallelConfig, what: str, value: str, off: str) -> None:

@@ -283,13 +283,18 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
               resumed, sched: dict) -> None:
     """Rank 0's opening lines: the layout, the memory, warnings, what was resumed."""
     inner = f"sp={topo.sp_size}" if topo.spatial else f"tp={topo.tp_size}"
+    split = getattr(engine, "threads", 1)  # BatchThreadsEngine: the batch over threads
+    how = (f"its batch split over {split} threads of 1 BLAS thread" if split > 1
+           else f"{threads} BLAS thread(s)/rank")
     writer.say(f"hpctrain: {comm.Get_size()} rank(s), dp={topo.dp_size} {inner} "
-               f"pp={topo.pp_size}, {threads} BLAS thread(s)/rank, {cfg.model.kind} shard "
+               f"pp={topo.pp_size}, {how}, {cfg.model.kind} shard "
                f"of {sum(p.data.size for p in engine.params):,} parameters on rank 0")
     mem = dp.memory()
+    extra = (f" (and {(split - 1) * mem['param_bytes'] / 2**20:.1f} MiB, the other batch "
+             f"threads')" if split > 1 else "")
     writer.say(f"memory on rank 0 (zero {cfg.parallel.zero}): parameters "
                f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
-               f"{mem['grad_bytes'] / 2**20:.1f} MiB, optimizer state "
+               f"{mem['grad_bytes'] / 2**20:.1f} MiB{extra}, optimizer state "
                f"{mem['optim_bytes'] / 2**20:.1f} MiB")
     for warning in (tensor_group_warning(nodes, topo.shape.tp), blas_spin_warning(threads)):
         if warning:

@@ -14,7 +14,7 @@ def _config(model, layout):
 
 
 def test_each_model_runs_its_default_layouts_at_the_benchmark_shapes():
-    assert BENCH_MODELS["gpt"].layouts == ("serial", "dp2", "tp2", "pp2")
+    assert BENCH_MODELS["gpt"].layouts == ("serial", "serial-split", "dp2", "tp2", "pp2")
     for model in ("cnn", "seg3d"):
         assert BENCH_MODELS[model].layouts == ("serial", "dp2", "sp2")
     for model, spec in BENCH_MODELS.items():
@@ -23,6 +23,7 @@ def test_each_model_runs_its_default_layouts_at_the_benchmark_shapes():
             ranks, parallel = LAYOUTS[layout]
             assert cfg.parallel.dp * cfg.parallel.model_parallel_size == ranks
             assert cfg.parallel.sp == parallel.get("sp", 1)
+            assert cfg.parallel.batch_threads == parallel.get("batch_threads", 1)
             assert cfg.model.kind == model.removesuffix("-large")
             assert cfg.model.dtype == "float32"
             assert cfg.train.eval_interval == 0 and cfg.data.path == "x.h5"

@@ -25,7 +25,7 @@ bench_peer = _load("bench_peer")
 
 
 def test_the_large_benchmark_gpt_is_the_twelve_layer_one():
-    assert BENCH_MODELS["gpt-large"].layouts == ("serial", "dp2")
+    assert BENCH_MODELS["gpt-large"].layouts == ("serial", "serial-split", "dp2")
     m = layout_config("dp2", model="gpt-large", data="x.h5", steps=3, run_dir="run").model
     assert (m.kind, m.n_layer, m.n_head, m.d_model, m.seq_len, m.vocab_size) == (
         "gpt", 12, 12, 768, 256, 256)

@@ -324,3 +324,33 @@ def test_a_cpu_cost_a_byte_is_described_and_priced():
     raw = __import__("tomllib").loads(to_toml(c).replace("2.0000e-09", "-1.0"))
     with pytest.raises(ClusterError, match=r"comm_cpu_s_per_byte \(-1.0\) must be 0 or more"):
         from_dict(raw)
+
+
+# ---------------------------------------------------------------------------------
+# a rank's batch split over its threads
+
+
+def test_a_batch_split_computes_as_that_many_ranks_a_node_on_their_rows():
+    c = cluster()  # two cores: the rates of 1 and 2 ranks a node differ
+    plain, split = make(batch=4), make(batch=4, batch_threads=0)  # 0: the rank's 2 cores
+    dp2 = cost.estimate(make(world=2, batch=4, dp=2), c).ranks[0]
+    e_plain, e_split = cost.estimate(plain, c).ranks[0], cost.estimate(split, c).ranks[0]
+    numel = sum(mem.rank_param_sizes(split.model, 1, 1, 1, "layers", 0))
+    summed = numel * 4 * 3 / 2 / 5e9  # 1 extra float32 set: read both, write, 2 threads
+    # each thread: dp2's rank's rows at dp2's per-rank rates, then the gradients added
+    assert e_split.time["compute"] == pytest.approx(dp2.time["compute"] + summed)
+    assert e_split.time["compute"] != pytest.approx(e_plain.time["compute"])
+    assert e_split.memory.grads == 2 * e_plain.memory.grads  # one gradient set a thread
+    assert e_split.memory.activations == e_plain.memory.activations  # the same rows
+    assert e_split.time["optimizer"] == e_plain.time["optimizer"]  # on the whole rank
+
+
+@pytest.mark.parametrize("threads, cores, rpn, rows, split", [
+    (1, 8, 1, 8, 1), (0, 8, 1, 8, 8), (0, 8, 2, 8, 4), (0, 8, 1, 3, 3), (3, 8, 4, 8, 3),
+    (0, 1, 1, 8, 1)])
+def test_the_threads_a_batch_is_split_over(threads, cores, rpn, rows, split):
+    kind = cluster().kinds["cpu"]
+    from dataclasses import replace as dc_replace
+
+    par = config.ParallelConfig(batch_threads=threads)
+    assert cost.batch_split(par, [dc_replace(kind, cores=cores)], rpn, rows) == split

@@ -57,9 +57,37 @@ def test_plan_proposes_exactly_the_layouts_validate_accepts():
     assert times == sorted(times[:20]) + times[20:] and len(times) > 20
 
 
+def test_plan_offers_the_batch_split_exactly_where_validate_accepts_it():
+    # two ranks on one 8-core node: 4 threads a rank, over which a rank running the
+    # whole model may split its batch (tp = pp = 1, at least 2 rows a microbatch)
+    cfg, world = tiny_config(), 2
+    found = enumerate_layouts(cfg, hand_cluster(), world)
+    planned = {layout_name(e.cfg.parallel) for e in found.ranked if e.cfg.parallel.tp
+               == e.cfg.parallel.pp == 1}
+    accepted = set()
+    for dp, mb, zero, bt in itertools.product([1, 2], [1, 2, 4, 8], [0, 1, 2], [1, 4]):
+        par = replace(cfg.parallel, dp=dp, microbatches=mb, zero=zero, batch_threads=bt)
+        try:
+            checked = replace(cfg, parallel=par).validate(world)
+        except ConfigError:
+            continue
+        rows = cfg.train.batch_size // (dp * mb)
+        if not (zero and dp == 1) and not (bt > 1 and rows < 2):
+            accepted.add(layout_name(checked.parallel))
+    assert planned == accepted
+    assert "dp2-tp1-pp1-mb1-1f1b-z0-bt4" in planned and "dp2-tp1-pp1-mb4-1f1b-z0-bt4" \
+        not in planned  # one row a microbatch: nothing to split
+    assert not any("-bt" in layout_name(e.cfg.parallel) for e in found.ranked
+                   if e.cfg.parallel.tp > 1 or e.cfg.parallel.pp > 1)
+    # one core a rank: no split offered
+    eight = enumerate_layouts(cfg, hand_cluster(), 8)
+    assert not any("-bt" in layout_name(e.cfg.parallel) for e in eight.ranked)
+
+
 def test_layout_names_round_trip():
     cfg = tiny_config()
-    for text in ("dp2-tp2-pp2-mb4-1f1b-z1", "dp1-tp2-pp2-mb2-interleaved-z0-v2-sp"):
+    for text in ("dp2-tp2-pp2-mb4-1f1b-z1", "dp1-tp2-pp2-mb2-interleaved-z0-v2-sp",
+                 "dp2-tp1-pp1-mb2-1f1b-z1-bt4"):
         par = replace(cfg.parallel, **parse_layout(text))
         assert layout_name(par) == text
 

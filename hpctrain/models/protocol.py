@@ -177,6 +177,10 @@ class Model(Module):
     runs_its_pieces: bool = True
     # whether Model(cfg, seed, on_piece=f) hands each pipeline piece to f as it is built
     builds_by_piece: bool = False
+    # whether a rank may split its batch over threads (hpctrain.parallel.batch_threads):
+    # forward's loss a mean over the rows, all of equal weight, and nothing changed by
+    # forward or backward but the parameters' gradients
+    splits_batch: bool = False
     data_format: str = ""
     config_keys: tuple[str, ...] = ()
 

@@ -20,8 +20,9 @@ sets both); with one thread, ``over_rows`` is a plain call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -44,6 +45,30 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return _threads
+
+
+def blas_threads() -> int:
+    """The BLAS thread count now set in this process (1 without a BLAS found)."""
+    return max([lib.num_threads for lib in _blas_libraries()], default=1)
+
+
+@contextmanager
+def single() -> Iterator[None]:
+    """Inside: BLAS and element-wise work on one thread, for a caller that runs its own
+    threads (``hpctrain.parallel.batch_threads``); the counts are restored after. The
+    pool is kept (``set_threads`` would shut it down)."""
+    global _threads
+    blas = _blas_libraries()
+    before, rows = [lib.num_threads for lib in blas], _threads
+    for lib in blas:
+        lib.set_num_threads(1)
+    _threads = 1
+    try:
+        yield
+    finally:
+        _threads = rows
+        for lib, count in zip(blas, before, strict=True):
+            lib.set_num_threads(count)
 
 
 def over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None:

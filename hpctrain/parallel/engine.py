@@ -54,6 +54,7 @@ from typing import Any
 from hpctrain import precision
 from hpctrain.models.build import build_model
 from hpctrain.parallel import recompute
+from hpctrain.parallel.batch_threads import BatchThreadsEngine, threads_for
 from hpctrain.parallel.local import LocalEngine
 from hpctrain.parallel.local_loss import LocalLossEngine
 from hpctrain.parallel.pipeline import PipelineEngine
@@ -100,4 +101,7 @@ def _engine(model: Any, cfg: Any, topo: Any):
         return PIPELINE_ENGINES[cfg.parallel.pipeline_training](model, cfg, topo)
     if topo.tp_size > 1:
         return TensorParallelEngine(model, cfg, topo)
+    threads = threads_for(cfg.parallel)  # validated: 1, or a layout that allows it
+    if threads > 1:
+        return BatchThreadsEngine(model, cfg.parallel.microbatches, threads)
     return LocalEngine(model, cfg.parallel.microbatches)

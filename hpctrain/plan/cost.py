@@ -70,7 +70,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from hpctrain.config import Config, ModelConfig
+from hpctrain.config import Config, ModelConfig, ParallelConfig
 from hpctrain.parallel import recompute as recompute_modes
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
@@ -386,9 +386,14 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         small = min(k.memory_bytes for k in kinds)
         stream = min((k.stream_rate(rpn) or 0.0) for k in kinds)
         stream_missing |= stream == 0.0
+        # a batch split over the rank's threads (parallel/batch_threads.py): each of
+        # `split` threads computes cb rows on one core, as split * rpn ranks a node would
+        split = batch_split(par, kinds, rpn, b)
+        crpn, cb = rpn * split, -(-b // split)
+        cstream = min((k.stream_rate(crpn) or 0.0) for k in kinds)
         causal = kernels != "fused"  # hpctrain's attention skips the masked blocks
-        blk_f = cached(block_forward_s, slow, rpn, b, tp, causal)
-        f_bytes, b_bytes, score_bytes = block_stream_bytes(m, b, tp, sp, kernels, s)
+        blk_f = cached(block_forward_s, slow, crpn, cb, tp, causal)
+        f_bytes, b_bytes, score_bytes = block_stream_bytes(m, cb, tp, sp, kernels, s)
         # recomputation: what a block's backward does again of its forward
         core = cached(attention_forward_s, slow, rpn, b, tp, causal) if rc != "none" else 0.0
         again = {"none": 0.0, "full": blk_f, "selective": core,
@@ -410,17 +415,17 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             ef, eb = nb * f_bytes, nb * (b_bytes + again_bytes)
             comm_f, comm_b = 2 * nb * tp_op, (4 if rc == "full" else 2) * nb * tp_op
             if first:
-                e1, e2 = embed_stream_bytes(m, b, tp, s)
+                e1, e2 = embed_stream_bytes(m, cb, tp, s)
                 ef, eb = ef + e1, eb + e2
                 comm_f += tp_op
             if last:
-                hf = cached(head_forward_s, slow, rpn, b, tp)
+                hf = cached(head_forward_s, slow, crpn, cb, tp)
                 fwd, bwd = fwd + hf, bwd + 2 * hf
-                h1, h2 = head_stream_bytes(m, b, tp, kernels, s)
+                h1, h2 = head_stream_bytes(m, cb, tp, kernels, s)
                 ef, eb = ef + h1, eb + h2
                 comm_b += tp_op
-            if stream:
-                fwd, bwd = fwd + ef / stream, bwd + eb / stream
+            if cstream:
+                fwd, bwd = fwd + ef / cstream, bwd + eb / cstream
             link_f = 0.0 if last else p2p
             link_b = 0.0 if first else p2p
             times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
@@ -428,9 +433,9 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                 # (head, each block's MLP then attention half from the last block,
                 # the embedding; a pipeline reports each chunk whole instead)
                 blk_b = 2 * blk_f + again + (4 if rc == "full" else 2) * tp_op \
-                    + ((b_bytes + again_bytes) / stream if stream else 0.0)
-                mlp_f = _gemm(slow, rpn, n_tokens, m.ffn_dim // tp, m.d_model) \
-                    + _gemm(slow, rpn, n_tokens, m.d_model, m.ffn_dim // tp)
+                    + ((b_bytes + again_bytes) / cstream if cstream else 0.0)
+                mlp_f = _gemm(slow, crpn, cb * m.seq_len, m.ffn_dim // tp, m.d_model) \
+                    + _gemm(slow, crpn, cb * m.seq_len, m.d_model, m.ffn_dim // tp)
                 pieces[k] = (bwd + comm_b - nb * blk_b, nb * [blk_b], min(1.0, mlp_f / blk_f))
             act_max = max(act_max, mem.chunk_activation_bytes(
                 m, b, tp, sp, nb, first, last, pp > 1, rc, e.cache,
@@ -439,7 +444,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         sizes = mem.rank_param_sizes(m, tp, pp, v, par.balance, r)
         params, grads, optim = mem.state_bytes(sizes, e.state, dp, par.zero, states,
                                                par.bucket_mb, e.master)
-        work = mem.workspace_bytes(m, b, tp, sp, n_chunks - 1 in chunks, e.work)
+        grads += (split - 1) * sum(sizes) * e.state  # each extra thread's gradients
+        work = split * mem.workspace_bytes(m, cb, tp, sp, n_chunks - 1 in chunks, e.work)
         work += mem.recompute_bytes(m, b, tp, sp, rc, e.work)  # what a backward makes again
         if e.copies:  # reduced precision: the float32 copies of the piece in backward
             work += mem.precision_copies(m, b, tp, sp, rc, 0 in chunks, blocks > 0,
@@ -453,15 +459,18 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             whole = sum(mem.rank_param_sizes(m, tp, 1, 1, par.balance, 0))
             retained = 2 * e.state * max(0, whole - sum(sizes))
         memory = mem.Memory(params, grads, optim, live[r] * act_max, work, buckets, retained)
+        # the extra threads' gradients added into the model's, the threads sharing it
+        summed = (split - 1) * sum(sizes) * e.state * 3 / split
         per_rank.append(dict(kinds=kinds, slow=slow, small=small, stream=stream,
                              blocks=blocks, chunks=chunks, memory=memory,
-                             numel=sum(sizes), pieces=pieces))
+                             numel=sum(sizes), pieces=pieces,
+                             grad_sum=summed / cstream if cstream else 0.0))
 
     makespan, busy, ends = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
     ranks = []
     for r, info in enumerate(per_rank):
         times = chunk_times[r]
-        compute = sum(mb * (f + b_) for f, b_, *_ in times.values())
+        compute = sum(mb * (f + b_) for f, b_, *_ in times.values()) + info["grad_sum"]
         tp_s = sum(mb * (cf + cb) for _, _, cf, cb, _, _ in times.values())
         link = sum(mb * (lf + lb) for *_, lf, lb in times.values())
         bubble = max(0.0, makespan - busy[r])
@@ -495,6 +504,16 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     peak = sum(rpn * cluster.kinds[n].peak_rate(rpn) * count for n, count in cluster.nodes)
     return Estimate(cfg, world, rpn, step, t.batch_size * m.seq_len / step,
                     flops / step / peak, ranks, notes)
+
+
+def batch_split(par: ParallelConfig, kinds: list[NodeKind], rpn: int, b: int) -> int:
+    """The threads a rank of ``kinds`` splits its ``b``-row microbatch over
+    (``[parallel] batch_threads``: 0 is the rank's cores, as ``train`` gives its BLAS
+    threads), at most one a row; 1 when it does not split."""
+    if par.batch_threads == 1:
+        return 1
+    threads = par.batch_threads or max(1, min(k.cores for k in kinds) // rpn)
+    return max(1, min(threads, b))
 
 
 def predict_memory(cfg: Config, practice: Practice = HPCTRAIN) -> list[mem.Memory]:

@@ -2,18 +2,19 @@
 
 ``enumerate_layouts(cfg, cluster, world)`` walks dp, tp, pp (divisors of the world),
 microbatches (divisors of the batch per data-parallel rank), the schedules (gpipe,
-1f1b, interleaved with each virtual_stages that fits, 1 included), zero 0/1/2 and sequence
-parallelism; each candidate goes through ``Config.validate(world)``, so a plan never
-proposes a layout ``train`` refuses. Left out as the same as another: gpipe without a
-pipeline (1f1b), ZeRO without data parallelism (zero 0), sequence parallelism without
-tp. Two passes: every valid layout is costed with
-the pipeline's closed-form bubble (``cost.estimate(replay=False)``), then the best
-``refine`` that fit in memory are costed again with the schedule replayed, and
+1f1b, interleaved with each virtual_stages that fits, 1 included), zero 0/1/2, sequence
+parallelism, and, where a rank has several cores and runs the whole model, its batch
+split over them (``batch_threads``); each candidate goes through
+``Config.validate(world)``, so a plan never proposes a layout ``train`` refuses. Left
+out as the same as another: gpipe without a pipeline (1f1b), ZeRO without data
+parallelism (zero 0), sequence parallelism without tp. Two passes: every valid layout
+is costed with the pipeline's closed-form bubble (``cost.estimate(replay=False)``), then
+the best ``refine`` that fit in memory are costed again with the schedule replayed, and
 re-ranked. A layout fits when every rank's memory is at most its node's memory
 divided by the ranks per node.
 
 Layout names: ``dp2-tp2-pp2-mb4-1f1b-z1`` (``-sp``: sequence parallelism; ``-v2``:
-interleaved with 2 virtual stages).
+interleaved with 2 virtual stages; ``-bt2``: the batch split over 2 threads a rank).
 """
 
 from __future__ import annotations
@@ -37,23 +38,25 @@ def layout_name(par) -> str:
     name = f"dp{par.dp}-tp{par.tp}-pp{par.pp}-mb{par.microbatches}-{par.schedule}-z{par.zero}"
     if par.virtual_stages > 1:
         name += f"-v{par.virtual_stages}"
-    return name + ("-sp" if par.sequence_parallel else "")
+    name += "-sp" if par.sequence_parallel else ""
+    return name + (f"-bt{par.batch_threads}" if par.batch_threads != 1 else "")
 
 
 LAYOUT = re.compile(r"dp(\d+)-tp(\d+)-pp(\d+)-mb(\d+)-(gpipe|1f1b|interleaved)-z(\d)"
-                    r"(?:-v(\d+))?(-sp)?$")
+                    r"(?:-v(\d+))?(-sp)?(?:-bt(\d+))?$")
 
 
 def parse_layout(text: str) -> dict:
-    """``dp2-tp2-pp2-mb4-1f1b-z1[-v2][-sp]`` -> [parallel] overrides."""
+    """``dp2-tp2-pp2-mb4-1f1b-z1[-v2][-sp][-bt2]`` -> [parallel] overrides."""
     got = LAYOUT.match(text)
     if not got:
         raise click.BadParameter(f"layout {text!r} must look like dp2-tp2-pp2-mb4-1f1b-z1 "
-                                 f"(optionally -v2 for virtual stages, -sp)")
-    dp, tp, pp, mb, schedule, zero, v, sp = got.groups()
+                                 f"(optionally -v2 for virtual stages, -sp, -bt2 for the "
+                                 f"batch split over 2 threads)")
+    dp, tp, pp, mb, schedule, zero, v, sp, bt = got.groups()
     return {"dp": int(dp), "tp": int(tp), "pp": int(pp), "microbatches": int(mb),
             "schedule": schedule, "zero": int(zero), "virtual_stages": int(v or 1),
-            "sequence_parallel": bool(sp)}
+            "sequence_parallel": bool(sp), "batch_threads": int(bt or 1)}
 
 
 def divisors(n: int) -> list[int]:
@@ -69,8 +72,9 @@ def miss(e: cost.Estimate) -> int:
     return max(r.memory.total - r.memory_limit for r in e.ranks)
 
 
-def candidates(cfg: Config, world: int):
-    """Every [parallel] combination to try (not yet validated)."""
+def candidates(cfg: Config, world: int, threads: int = 1):
+    """Every [parallel] combination to try (not yet validated); ``threads``: the cores a
+    rank has, over which a rank running the whole model may split its batch."""
     par, n_layer = cfg.parallel, cfg.model.n_layer
     batch = cfg.train.batch_size
     for tp in divisors(world):
@@ -89,12 +93,16 @@ def candidates(cfg: Config, world: int):
                     schedules = [("gpipe", 1), ("1f1b", 1)] + [
                         ("interleaved", v) for v in range(1, n_layer // pp + 1)
                         if mb % pp == 0]
+                rows = batch // (dp * mb)
+                splits = (1, threads) if tp == pp == 1 and min(threads, rows) > 1 else (1,)
                 for schedule, v in schedules:
                     for zero in ((0, 1, 2) if dp > 1 and par.averaging == "sync" else (0,)):
                         for seq in ((False, True) if tp > 1 else (False,)):
-                            yield replace(par, dp=dp, tp=tp, pp=pp, microbatches=mb,
-                                          schedule=schedule, virtual_stages=v, zero=zero,
-                                          sequence_parallel=seq, sp=1)
+                            for split in splits:
+                                yield replace(par, dp=dp, tp=tp, pp=pp, microbatches=mb,
+                                              schedule=schedule, virtual_stages=v,
+                                              zero=zero, sequence_parallel=seq, sp=1,
+                                              batch_threads=split)
 
 
 @dataclass
@@ -112,11 +120,12 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     docstring), each priced as ``practice`` runs it. Raises ConfigError if no layout is
     valid for the global batch."""
     t0 = time.perf_counter()
-    cost.ranks_per_node(cluster, world)  # the placement's rule, by name
+    rpn = cost.ranks_per_node(cluster, world)  # the placement's rule, by name
+    threads = max(1, min(cluster.kinds[name].cores for name, _ in cluster.nodes) // rpn)
     memo: dict = {}
     tried, valid, estimates = 0, [], []
     first_error = None
-    for par in candidates(cfg, world):
+    for par in candidates(cfg, world, threads):
         tried += 1
         try:
             checked = replace(cfg, parallel=par).validate(world)

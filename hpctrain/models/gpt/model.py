@@ -257,6 +257,7 @@ class GPT(Model):
                    "tie_embeddings")
 
     builds_by_piece = True
+    splits_batch = True  # loss a mean over (B, T); no state but the gradients
 
     def __init__(self, cfg: ModelConfig, seed: int,
                  on_piece: Callable[[Module], None] = lambda piece: None):

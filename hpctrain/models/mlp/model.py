@@ -102,6 +102,7 @@ class MLPClassifier(Model):
 
     name = "MLP classifier"
     runs_its_pieces = False  # forward runs its layers; the pieces serve a pipeline
+    splits_batch = True  # loss a mean over B; no state but the gradients
     data_format = IMAGES
     config_keys = ("input_dim", "hidden", "n_classes")
 
