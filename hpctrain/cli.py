@@ -110,10 +110,11 @@ def _int_list(value: str, name: str) -> list[int]:
               help="Shard LayerNorm and residual activations along the sequence (tp > 1).")
 @click.option("--batch-threads", type=int, metavar="N",
               help="Split each microbatch's rows over N threads a rank, each on one BLAS "
-                   "thread (0: the rank's BLAS threads; 1: off, BLAS splits each product). "
-                   "Faster where the products are small; one gradient copy more a thread. "
-                   "Whole-model ranks only (tp = pp = sp = 1, ZeRO below 3, fp32, no "
-                   "recompute).")
+                   "thread (1: off, BLAS splits each product; 0: the rank's BLAS threads "
+                   "where the layout allows it). Faster where the products are small; one "
+                   "gradient copy more a thread. Ranks that run the whole model only (tp = "
+                   "pp = sp = 1, ZeRO below 3, fp32, no recompute): N > 1 elsewhere is "
+                   "refused.")
 @click.option("--zero", type=int,
               help="ZeRO stage: 0 plain data parallelism, 1 shard the optimizer state over "
                    "the data group, 2 shard the gradients too, 3 the parameters too "

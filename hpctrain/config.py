@@ -173,7 +173,8 @@ class ParallelConfig:
     table_sharding: tuple[TableSharding, ...] = ()
     # threads that split each microbatch's rows inside a rank, each on one BLAS thread
     # (hpctrain.parallel.batch_threads): 1, the whole microbatch at once with BLAS
-    # splitting each product; 0, as many as the rank's BLAS threads; n, n threads
+    # splitting each product; 0, as many as the rank's BLAS threads where the layout
+    # allows it, else 1; n, n threads (a layout that cannot is refused)
     batch_threads: int = 1
 
     @property
@@ -493,16 +494,18 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
 
 
 def _check_batch_threads(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:
-    """batch_threads: 1 (off) whatever the layout; else a layout and model that allow it."""
+    """batch_threads: 1 (off) and 0 (where allowed) whatever the layout; n > 1 a layout
+    and model that allow it."""
     from hpctrain.parallel.batch_threads import refusal  # imports this module
 
     _require(par.batch_threads >= 0,
              f"batch_threads ({par.batch_threads}) must not be negative")
-    if par.batch_threads == 1:
+    if par.batch_threads <= 1:
         return
     why = refusal(m, par, t)
     _require(why is None, f"batch_threads ({par.batch_threads}) splits a rank's batch over "
-                          f"threads, but {why}: set batch_threads 1")
+                          f"threads, but {why}: set batch_threads 1, or 0 (split where "
+                          f"the layout allows it)")
 
 
 def _pieces_run(cls, par: ParallelConfig, what: str, value: str, off: str) -> None:

@@ -176,11 +176,33 @@ def test_training_with_the_split_follows_the_plain_loss_curve():
     assert curves[0][-1] < curves[0][0]
 
 
+def test_zero_splits_where_the_layout_allows_it_and_runs_plain_elsewhere():
+    from hpctrain.parallel.batch_threads import threads_for
+    from hpctrain.runtime import set_blas_threads
+
+    blas, rows = nn_threads.blas_threads(), nn_threads.threads()
+    set_blas_threads(2)
+    try:
+        auto = ParallelConfig(batch_threads=0)
+        whole = Config(model=GPT, parallel=auto, train=TrainConfig(batch_size=4)).validate(1)
+        assert threads_for(whole) == 2  # the rank's BLAS threads
+        again = Config(model=GPT, parallel=auto,
+                       train=TrainConfig(batch_size=4, recompute="full")).validate(1)
+        assert threads_for(again) == 1  # accepted, and run plain
+        tensor = Config(model=GPT, parallel=replace(auto, tp=2, dp=1),
+                        train=TrainConfig(batch_size=4)).validate(2)
+        assert threads_for(tensor) == 1
+        assert threads_for(replace(whole, parallel=replace(auto, batch_threads=3))) == 3
+    finally:
+        set_blas_threads(blas)
+        nn_threads.set_threads(rows)
+
+
 @pytest.mark.parametrize("parallel, train, model, says", [
     ({"batch_threads": -1}, {}, GPT, "batch_threads (-1) must not be negative"),
     ({"batch_threads": 2, "tp": 2, "dp": 1}, {}, GPT, "tp (2) must be 1"),
     ({"batch_threads": 2, "pp": 2, "dp": 1}, {}, GPT, "pp (2) must be 1"),
-    ({"batch_threads": 0, "zero": 3}, {}, GPT, "zero (3) must be below 3"),
+    ({"batch_threads": 2, "zero": 3}, {}, GPT, "zero (3) must be below 3"),
     ({"batch_threads": 2}, {"precision": "bf16"}, replace(GPT, dtype="float32"),
      "precision ('bf16')"),
     ({"batch_threads": 2}, {"recompute": "full"}, GPT, "recompute ('full')"),

@@ -345,12 +345,14 @@ def test_a_batch_split_computes_as_that_many_ranks_a_node_on_their_rows():
     assert e_split.time["optimizer"] == e_plain.time["optimizer"]  # on the whole rank
 
 
-@pytest.mark.parametrize("threads, cores, rpn, rows, split", [
-    (1, 8, 1, 8, 1), (0, 8, 1, 8, 8), (0, 8, 2, 8, 4), (0, 8, 1, 3, 3), (3, 8, 4, 8, 3),
-    (0, 1, 1, 8, 1)])
-def test_the_threads_a_batch_is_split_over(threads, cores, rpn, rows, split):
-    kind = cluster().kinds["cpu"]
+@pytest.mark.parametrize("threads, cores, rpn, rows, recompute, split", [
+    (1, 8, 1, 8, "none", 1), (0, 8, 1, 8, "none", 8), (0, 8, 2, 8, "none", 4),
+    (0, 8, 1, 3, "none", 3), (3, 8, 4, 8, "none", 3), (0, 1, 1, 8, "none", 1),
+    (0, 8, 1, 8, "full", 1)])  # 0 where the layout cannot split: plain
+def test_the_threads_a_batch_is_split_over(threads, cores, rpn, rows, recompute, split):
     from dataclasses import replace as dc_replace
 
-    par = config.ParallelConfig(batch_threads=threads)
-    assert cost.batch_split(par, [dc_replace(kind, cores=cores)], rpn, rows) == split
+    cfg = config.from_dict({"model": TINY, "parallel": {"batch_threads": threads},
+                            "train": {"batch_size": 8, "recompute": recompute}}).validate(1)
+    kind = dc_replace(cluster().kinds["cpu"], cores=cores)
+    assert cost.batch_split(cfg, [kind], rpn, rows) == split

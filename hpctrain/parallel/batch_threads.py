@@ -33,7 +33,8 @@ microbatch's backward reports each piece when every thread has finished it: the
 caller's thread waits for the others at each piece, adds their gradients of the
 piece, and only then calls the hook, so the all-reduce sends the whole sum.
 
-What may run so, checked by ``Config.validate`` (``split_allowed``): the model
+What may run so, checked by ``Config.validate`` (``refusal``; ``batch_threads = 0``
+splits where it may and runs plain elsewhere): the model
 declares ``splits_batch`` (its loss a mean over rows, no state but its gradients:
 the GPT and the MLP), and the layout is ``LocalEngine``'s (no tp, pp, sp, ZeRO-3),
 in fp32 precision without recomputation (their wrappers keep state of their own).
@@ -119,10 +120,15 @@ def refusal(m: Any, par: Any, t: Any) -> str | None:
     return None
 
 
-def threads_for(par: Any) -> int:
-    """The threads a rank splits its batch over: ``batch_threads``, or the rank's
-    BLAS threads now set for 0."""
-    return par.batch_threads or nn_threads.blas_threads()
+def threads_for(cfg: Any) -> int:
+    """The threads a rank of validated ``cfg`` splits its batch over: ``batch_threads``;
+    for 0, the rank's BLAS threads now set where the layout allows a split, else 1."""
+    par = cfg.parallel
+    if par.batch_threads:
+        return par.batch_threads
+    if refusal(cfg.model, par, cfg.train) is not None:
+        return 1
+    return nn_threads.blas_threads()
 
 
 def split_rows(b: int, k: int) -> list[tuple[int, int]]:

@@ -101,7 +101,7 @@ def _engine(model: Any, cfg: Any, topo: Any):
         return PIPELINE_ENGINES[cfg.parallel.pipeline_training](model, cfg, topo)
     if topo.tp_size > 1:
         return TensorParallelEngine(model, cfg, topo)
-    threads = threads_for(cfg.parallel)  # validated: 1, or a layout that allows it
+    threads = threads_for(cfg)  # 1, or a layout that allows it (validated)
     if threads > 1:
         return BatchThreadsEngine(model, cfg.parallel.microbatches, threads)
     return LocalEngine(model, cfg.parallel.microbatches)

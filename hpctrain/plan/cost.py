@@ -70,7 +70,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from hpctrain.config import Config, ModelConfig, ParallelConfig
+from hpctrain.config import Config, ModelConfig
 from hpctrain.parallel import recompute as recompute_modes
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
@@ -388,7 +388,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         stream_missing |= stream == 0.0
         # a batch split over the rank's threads (parallel/batch_threads.py): each of
         # `split` threads computes cb rows on one core, as split * rpn ranks a node would
-        split = batch_split(par, kinds, rpn, b)
+        split = batch_split(cfg, kinds, rpn, b)
         crpn, cb = rpn * split, -(-b // split)
         cstream = min((k.stream_rate(crpn) or 0.0) for k in kinds)
         causal = kernels != "fused"  # hpctrain's attention skips the masked blocks
@@ -506,11 +506,16 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                     flops / step / peak, ranks, notes)
 
 
-def batch_split(par: ParallelConfig, kinds: list[NodeKind], rpn: int, b: int) -> int:
+def batch_split(cfg: Config, kinds: list[NodeKind], rpn: int, b: int) -> int:
     """The threads a rank of ``kinds`` splits its ``b``-row microbatch over
     (``[parallel] batch_threads``: 0 is the rank's cores, as ``train`` gives its BLAS
-    threads), at most one a row; 1 when it does not split."""
-    if par.batch_threads == 1:
+    threads, where the layout allows a split), at most one a row; 1 when it does not
+    split."""
+    from hpctrain.parallel.batch_threads import refusal
+
+    par = cfg.parallel
+    if par.batch_threads == 1 or (par.batch_threads == 0
+                                  and refusal(cfg.model, par, cfg.train) is not None):
         return 1
     threads = par.batch_threads or max(1, min(k.cores for k in kinds) // rpn)
     return max(1, min(threads, b))
