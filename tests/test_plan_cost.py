@@ -356,3 +356,27 @@ def test_the_threads_a_batch_is_split_over(threads, cores, rpn, rows, recompute,
                             "train": {"batch_size": 8, "recompute": recompute}}).validate(1)
     kind = dc_replace(cluster().kinds["cpu"], cores=cores)
     assert cost.batch_split(cfg, [kind], rpn, rows) == split
+
+
+@pytest.mark.parametrize("kernels", ["numpy", "numba"])
+def test_sequence_parallel_prices_the_copies_of_its_collectives(kernels):
+    # hpctrain's all-gather concatenates along T and its reduce-scatter stacks T blocks:
+    # 4 whole (N, C) copies a direction a block, one read and one write each, beside
+    # LayerNorm and the residual adds on N / tp rows instead of N
+    m = ModelConfig(**TINY)
+    b, tp, s = 4, 2, 4
+    n, c = b * m.seq_len, m.d_model
+    ln = cost.HPCTRAIN_PASSES[kernels][0]
+    f_sp, b_sp, _ = cost.block_stream_bytes(m, b, tp, True, kernels)
+    f_tp, b_tp, _ = cost.block_stream_bytes(m, b, tp, False, kernels)
+    saved_f = s * (2 * ln[0] + 2 * 3) * (n - n // tp) * c
+    saved_b = s * (2 * ln[1] + 2 * 3) * (n - n // tp) * c
+    assert f_sp - f_tp == pytest.approx(s * 8 * n * c - saved_f)
+    assert b_sp - b_tp == pytest.approx(s * 8 * n * c - saved_b)
+    # Megatron's (T, B, C) layout gathers and scatters without a copy
+    assert cost.block_stream_bytes(m, b, tp, True, "fused")[0] < \
+        cost.block_stream_bytes(m, b, tp, False, "fused")[0]
+    assert cost.embed_stream_bytes(m, b, tp, s, True)[0] - \
+        cost.embed_stream_bytes(m, b, tp, s)[0] == 2 * s * n * c
+    assert cost.head_stream_bytes(m, b, tp, kernels, s, True)[1] - \
+        cost.head_stream_bytes(m, b, tp, kernels, s)[1] == 2 * s * n * c

@@ -229,7 +229,8 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
     numpy (hpctrain's NumPy kernels): LayerNorm 10 and 18 passes of (N, C), residual
     adds 3, GELU 19 and 20 of (N, F/t), causal softmax 5 of the half (b, H/t, T, T) and
     its backward 7 of the blocks attention computes (``causal_fraction``), bias
-    gradients and q's scaling.
+    gradients and q's scaling; with sequence parallelism, the copies its all-gathers
+    and reduce-scatters make (4 of (N, C) each way, read and written).
     numba (hpctrain's fused kernels, ``hpctrain.nn.fused``): each kernel one read of its
     inputs and one write of its outputs, but not all at the memory's speed (GELU's
     forward computes an exp an element), so the counts are NumPy's scaled by the time
@@ -258,26 +259,32 @@ def block_stream_bytes(m: ModelConfig, b: int, tp: int, sp: bool, kernels: str,
     # LayerNorm, GELU and softmax passes: (forward, backward) counts of (N, C),
     # (N, F/t) and the scores (the backward's of the blocks attention computes)
     ln, gelu, soft = HPCTRAIN_PASSES[kernels]
+    # sequence parallelism regroups whole (N, C) tensors around its four collectives a
+    # direction: the all-gather's concatenation along T, the reduce-scatter's stack of
+    # T blocks (``parallel/collectives.py``), one read and one write each
+    regroup = 4 * 2 * n * c if sp else 0
     fwd = 2 * ln[0] * rows * c + 2 * 3 * rows * c + gelu[0] * n * f // tp \
-        + soft[0] * scores + 2 * n * c // tp
+        + soft[0] * scores + 2 * n * c // tp + regroup
     bwd = 2 * ln[1] * rows * c + 2 * 3 * rows * c + gelu[1] * n * f // tp \
         + soft[1] * scores * causal_fraction(t) \
-        + n * (4 * c // tp + 2 * c + f // tp) + 2 * n * c // tp
+        + n * (4 * c // tp + 2 * c + f // tp) + 2 * n * c // tp + regroup
     return s * fwd, s * bwd, s * soft[0] * scores
 
 
 def head_stream_bytes(m: ModelConfig, b: int, tp: int, kernels: str,
-                      s: int | None = None) -> tuple[float, float]:
+                      s: int | None = None, sp: bool = False) -> tuple[float, float]:
     """numpy and numba: LayerNorm's passes of (N, C) as in ``block_stream_bytes``, the
-    loss 8 and 6 of (N, V/t); fused: 2 and 3, and the vocabulary-parallel cross-entropy
-    4 and 3."""
+    loss 8 and 6 of (N, V/t), sequence parallelism's regrouping copy (the gather before
+    the head, its reduce-scatter in backward: 2 of (N, C) each way); fused: 2 and 3,
+    and the vocabulary-parallel cross-entropy 4 and 3."""
     s, n = s or mem.itemsize(m), b * m.seq_len
     if kernels == "fused":
         return s * (2 * n * m.d_model + 4 * n * m.vocab_size // tp), \
             s * (3 * n * m.d_model + 3 * n * m.vocab_size // tp)
     ln = HPCTRAIN_PASSES[kernels][0]
-    return s * (ln[0] * n * m.d_model + 8 * n * m.vocab_size // tp), \
-        s * (ln[1] * n * m.d_model + 6 * n * m.vocab_size // tp)
+    regroup = 2 * n * m.d_model if sp else 0
+    return s * (ln[0] * n * m.d_model + 8 * n * m.vocab_size // tp + regroup), \
+        s * (ln[1] * n * m.d_model + 6 * n * m.vocab_size // tp + regroup)
 
 
 def running_kernels(m: ModelConfig) -> str:
@@ -288,10 +295,14 @@ def running_kernels(m: ModelConfig) -> str:
     return "numba" if nn_kernels.fused_running(m.dtype) else "numpy"
 
 
-def embed_stream_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None
-                       ) -> tuple[float, float]:
+def embed_stream_bytes(m: ModelConfig, b: int, tp: int, s: int | None = None,
+                       regroup: bool = False) -> tuple[float, float]:
+    """The lookup, positions and their gradients; ``regroup``: sequence parallelism's
+    copy around the reduce-scatter after the lookup (its all-gather in backward), 2 of
+    (N, C) each way (hpctrain's collectives)."""
     s, n = s or mem.itemsize(m), b * m.seq_len
-    return s * 5 * n * m.d_model, s * 4 * n * m.d_model
+    extra = 2 * n * m.d_model if regroup else 0
+    return s * (5 * n * m.d_model + extra), s * (4 * n * m.d_model + extra)
 
 
 # ---------------------------------------------------------------------------------
@@ -415,13 +426,13 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             ef, eb = nb * f_bytes, nb * (b_bytes + again_bytes)
             comm_f, comm_b = 2 * nb * tp_op, (4 if rc == "full" else 2) * nb * tp_op
             if first:
-                e1, e2 = embed_stream_bytes(m, cb, tp, s)
+                e1, e2 = embed_stream_bytes(m, cb, tp, s, sp and kernels != "fused")
                 ef, eb = ef + e1, eb + e2
                 comm_f += tp_op
             if last:
                 hf = cached(head_forward_s, slow, crpn, cb, tp)
                 fwd, bwd = fwd + hf, bwd + 2 * hf
-                h1, h2 = head_stream_bytes(m, cb, tp, kernels, s)
+                h1, h2 = head_stream_bytes(m, cb, tp, kernels, s, sp)
                 ef, eb = ef + h1, eb + h2
                 comm_b += tp_op
             if cstream:
