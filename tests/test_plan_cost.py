@@ -343,6 +343,9 @@ def test_a_batch_split_computes_as_that_many_ranks_a_node_on_their_rows():
     assert e_split.memory.grads == 2 * e_plain.memory.grads  # one gradient set a thread
     assert e_split.memory.activations == e_plain.memory.activations  # the same rows
     assert e_split.time["optimizer"] == e_plain.time["optimizer"]  # on the whole rank
+    assert (e_split.split, e_plain.split) == (2, 1)
+    assert "its rows over 2 threads" in e_split.describe() and "threads" not in \
+        e_plain.describe()
 
 
 @pytest.mark.parametrize("threads, cores, rpn, rows, recompute, split", [

@@ -134,6 +134,7 @@ class RankCost:
     memory: mem.Memory
     time: dict[str, float]  # compute, tp, pp_bubble, p2p, dp, optimizer (seconds)
     memory_limit: float = float("inf")  # the smallest node memory of the stage / rpn
+    split: int = 1  # threads its microbatch's rows are split over (batch_threads)
 
     @property
     def step_s(self) -> float:
@@ -142,8 +143,9 @@ class RankCost:
     def describe(self) -> str:
         parts = (["embedding"] if self.has_embed else []) + [f"{self.blocks} blocks"] + \
             (["head"] if self.has_head else [])
+        threads = f", its rows over {self.split} threads" if self.split > 1 else ""
         return f"pp rank {self.pp_rank} ({self.kind}): {' + '.join(parts)}, {self.live} " \
-               f"microbatch cache(s) alive"
+               f"microbatch cache(s) alive{threads}"
 
 
 @dataclass(frozen=True)
@@ -474,7 +476,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         summed = (split - 1) * sum(sizes) * e.state * 3 / split
         per_rank.append(dict(kinds=kinds, slow=slow, small=small, stream=stream,
                              blocks=blocks, chunks=chunks, memory=memory,
-                             numel=sum(sizes), pieces=pieces,
+                             numel=sum(sizes), pieces=pieces, split=split,
                              grad_sum=summed / cstream if cstream else 0.0))
 
     makespan, busy, ends = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
@@ -504,7 +506,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                               n_chunks - 1 in info["chunks"], live[r], info["memory"],
                               {"compute": compute, "tp": tp_s, "pp_bubble": bubble,
                                "p2p": link, "dp": dp_s, "optimizer": opt_s},
-                              info["small"] / rpn))
+                              info["small"] / rpn, info["split"]))
     if stream_missing:
         notes.append("the cluster gives no stream rate: element-wise work and the "
                      "optimizer update are left out of the times")
