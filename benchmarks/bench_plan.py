@@ -38,7 +38,8 @@ link and the cores each node got.
 one node. ``published`` prints the predictions for Megatron-LM's published runs
 on A100 nodes against their published teraFLOP/s per GPU (``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
-``--gemm-efficiency`` replaces the description's to show how the table moves with it).
+``--gemm-efficiency`` replaces the description's to show how the table moves with it,
+``--intra-bandwidth`` the NVLink bandwidth of every collective inside a node).
 ``scale`` times the planner itself (issue targets: every layout of 4,096 ranks on a
 two-kind cluster in under 10 s on one core; the chosen plan's per-rank timeline at
 1,024 ranks in under 5 s): the enumeration of a 48-layer d_model-4096 GPT on 32 + 32
@@ -367,9 +368,10 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def published(cluster_path: str | None, efficiency: float | None) -> str:
+def published(cluster_path: str | None, efficiency: float | None,
+              intra_bandwidth: float | None = None) -> str:
     from hpctrain.plan import published as pub
-    from hpctrain.plan.cluster import load_cluster
+    from hpctrain.plan.cluster import Link, load_cluster
 
     path = cluster_path or str(ROOT / pub.CLUSTER)
     cluster = load_cluster(path)
@@ -378,8 +380,14 @@ def published(cluster_path: str | None, efficiency: float | None) -> str:
         kinds = {n: replace(k, gemm_efficiency=efficiency) for n, k in cluster.kinds.items()}
         cluster = replace(cluster, kinds=kinds)
         effs = [efficiency]
-    return (f"Megatron-LM on {cluster.name} ({path}), GEMM efficiency {effs}, one practice "
-            f"for all rows: {pub.MEGATRON}\n" + pub.report(cluster))
+    links = ""
+    if intra_bandwidth is not None:  # every collective inside a node, latency kept
+        intra = {op: Link(line.latency_s, intra_bandwidth)
+                 for op, line in cluster.links["intra"].items()}
+        cluster = replace(cluster, links={**cluster.links, "intra": intra})
+        links = f", intra-node collectives at {intra_bandwidth / 1e9:g} GB/s"
+    return (f"Megatron-LM on {cluster.name} ({path}), GEMM efficiency {effs}{links}, one "
+            f"practice for all rows: {pub.MEGATRON}\n" + pub.report(cluster))
 
 
 def two_kinds(fat: int, thin: int, cores: int = 64, memory_gib: float = 512.0):
@@ -445,6 +453,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: this-machine.toml (published: a100-selene.toml)")
     parser.add_argument("--gemm-efficiency", type=float, default=None,
                         help="published: replace the description's gemm_efficiency")
+    parser.add_argument("--intra-bandwidth", type=float, default=None, metavar="BYTES/S",
+                        help="published: every intra-node collective at this bandwidth "
+                             "(e.g. 2e11, NCCL's measured all-reduce bus bandwidth on 8 "
+                             "A100s, instead of NVLink's 3e11)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true")
@@ -480,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
             launch(ranks, ["stream-worker", "--out", args.out])
         print((Path(args.out) / "stream.json").read_text())
     elif args.what == "published":
-        print(published(args.cluster, args.gemm_efficiency))
+        print(published(args.cluster, args.gemm_efficiency, args.intra_bandwidth))
     elif args.what == "scale":
         print(scale())
     elif args.what == "measure" and args.nodes:
