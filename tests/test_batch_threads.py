@@ -216,3 +216,32 @@ def test_a_layout_that_cannot_split_is_refused_by_name(parallel, train, model, s
         cfg.validate(2 if parallel.get("tp", 1) * parallel.get("pp", 1) > 1
                      or parallel.get("zero") else 1)
     assert says in str(err.value)
+
+
+def test_a_split_run_resumed_from_its_checkpoint_gives_the_bitwise_losses(tmp_path):
+    # the checkpoint holds the model's weights and optimizer state; the replicas hold
+    # none of their own, so a resumed run follows the loaded weights exactly
+    import shutil
+
+    from hpctrain.config import load
+    from hpctrain.testing import tiny_corpus_config, tiny_gpt_template
+    from hpctrain.train import train
+
+    path = tiny_corpus_config(tmp_path, tiny_gpt_template(
+        train="steps = 6\nbatch_size = 4\nsave_interval = 3",
+        parallel="batch_threads = 2"), "the quality of mercy is not strained.", 200)
+
+    def run(run_dir, resume=None):
+        cfg = load(path, {"train.run_dir": str(run_dir)}).validate(1)
+        return train(cfg, MPI.COMM_SELF, quiet=True, resume=resume).losses
+
+    whole = run(tmp_path / "whole")
+    stopped = tmp_path / "resumed" / "checkpoints"
+    stopped.mkdir(parents=True)
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-000003",
+                    stopped / "step-000003")
+    (stopped / "latest").write_text("step-000003\n")
+    resumed = run(tmp_path / "resumed", resume="auto")
+    assert resumed == whole[3:]  # bitwise
+    plain = load(path, {"train.run_dir": str(tmp_path / "x")}).validate(1)
+    assert plain.parallel.batch_threads == 2
