@@ -53,22 +53,32 @@ def blas_threads() -> int:
 
 
 @contextmanager
+def _blas_on_one_thread() -> Iterator[None]:
+    """Inside: every loaded BLAS on one thread; its counts restored after."""
+    blas = _blas_libraries()
+    before = [lib.num_threads for lib in blas]
+    for lib in blas:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, count in zip(blas, before, strict=True):
+            lib.set_num_threads(count)
+
+
+@contextmanager
 def single() -> Iterator[None]:
     """Inside: BLAS and element-wise work on one thread, for a caller that runs its own
     threads (``hpctrain.parallel.batch_threads``); the counts are restored after. The
     pool is kept (``set_threads`` would shut it down)."""
     global _threads
-    blas = _blas_libraries()
-    before, rows = [lib.num_threads for lib in blas], _threads
-    for lib in blas:
-        lib.set_num_threads(1)
+    rows = _threads
     _threads = 1
     try:
-        yield
+        with _blas_on_one_thread():
+            yield
     finally:
         _threads = rows
-        for lib, count in zip(blas, before, strict=True):
-            lib.set_num_threads(count)
 
 
 def over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None:
@@ -98,15 +108,8 @@ def products_over_rows(kernel: Callable[..., None], *arrays: np.ndarray) -> None
     if n <= 1 or len(arrays[0]) < n:
         kernel(*arrays)
         return
-    blas = _blas_libraries()
-    before = [lib.num_threads for lib in blas]
-    for lib in blas:
-        lib.set_num_threads(1)
-    try:
+    with _blas_on_one_thread():
         _run_blocks(kernel, n, arrays)
-    finally:
-        for lib, count in zip(blas, before, strict=True):
-            lib.set_num_threads(count)
 
 
 def _run_blocks(kernel: Callable[..., None], n: int, arrays: tuple[np.ndarray, ...]) -> None:

@@ -54,19 +54,8 @@ from hpctrain.nn import threads as nn_threads
 from hpctrain.nn.module import Module, Parameter, _Unallocated
 from hpctrain.parallel.local import LocalEngine
 
-
-class _Untraced:
-    """A span that records nothing: the extra threads' work is not in the trace (its
-    categories count the main thread)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-_untraced = _Untraced()
+# the extra threads' work is not in the trace (its categories count the main thread)
+_untraced = trace.NullTracer()
 
 
 def replica(model: Module) -> Module:
@@ -194,10 +183,11 @@ class BatchThreadsEngine(LocalEngine):
 
         def run(model: Any, rows: tuple[int, int], after_piece, traced: bool) -> float:
             r0, r1 = rows
-            with trace.span("F", "compute", mb=mb, chunk=0) if traced else _untraced:
+            spans = trace if traced else _untraced
+            with spans.span("F", "compute", mb=mb, chunk=0):
                 loss, cache = model.forward(x[r0:r1], y[r0:r1])
             share = (r1 - r0) / b
-            with trace.span("B", "compute", mb=mb, chunk=0) if traced else _untraced:
+            with spans.span("B", "compute", mb=mb, chunk=0):
                 if hooked:
                     model.backward(cache, dloss=dloss * share, after_piece=after_piece)
                 else:
