@@ -22,7 +22,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.checkpoint import CheckpointError, load_training, save_training, verify, writer
+from hpctrain.checkpoint import (
+    CheckpointError,
+    background,
+    load_training,
+    save_training,
+    verify,
+    writer,
+)
 from hpctrain.checkpoint import format as fmt
 from hpctrain.checkpoint.background import BackgroundWriter
 from hpctrain.checkpoint.state import held_tensors
@@ -108,6 +115,33 @@ def test_at_most_one_write_in_flight(tmp_path):
     run.background.wait()
     assert max(most) == 1
     assert (second / fmt.INDEX_NAME).is_file() and (second.parent / "step-000001").is_dir()
+    writer.wait_for_pruning()
+
+
+def test_the_gil_changes_hands_sooner_while_a_write_is_in_flight(tmp_path):
+    """The training thread waits at most ``SWITCH_S`` for the GIL the writer's Python
+    holds, during the write only: the interval before and after is the caller's."""
+    run = Run(tmp_path)
+    seen, gate = [], threading.Event()
+
+    def watch(kind, path):
+        if kind == "dataset":
+            seen.append(sys.getswitchinterval())
+            gate.wait(60)
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        run.save(1, on_event=watch)
+        during = sys.getswitchinterval()
+        gate.set()
+        run.background.wait()
+        after = sys.getswitchinterval()
+    finally:
+        gate.set()
+        sys.setswitchinterval(before)
+    assert during == pytest.approx(background.SWITCH_S) and seen == [during]
+    assert after == pytest.approx(0.004)
     writer.wait_for_pruning()
 
 

@@ -1,6 +1,6 @@
 """The snapshot's one-pass copy, checksum and finite test (``checkpoint/copysum.py``)
 against the separate passes it replaces: ``format.blocksum64`` and
-``writer.all_finite``, with numba's kernel and with NumPy's fallback."""
+``rankfile.all_finite``, with numba's kernel and with NumPy's fallback."""
 
 import threading
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.checkpoint import copysum, writer
+from hpctrain.checkpoint import copysum, rankfile, writer
 from hpctrain.checkpoint import format as fmt
 from hpctrain.checkpoint.background import BackgroundWriter
 from hpctrain.checkpoint.reshard import Sharding
@@ -75,7 +75,7 @@ def test_a_shape_or_dtype_mismatch_is_refused():
 
 def test_the_snapshot_takes_the_checks_the_write_then_uses(path, monkeypatch):
     """With numba the background writer's copies come with their checks and
-    ``writer.checks`` computes none again; with NumPy it computes them all. Either
+    ``rankfile.checks`` computes none again; with NumPy it computes them all. Either
     way they are blocksum64 and the finite verdict of what was saved."""
     rng = np.random.default_rng(1)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in ((64, 48), (48,), (33,))]
@@ -86,11 +86,11 @@ def test_the_snapshot_takes_the_checks_the_write_then_uses(path, monkeypatch):
     copies, known = background._snapshot(held, plan, threading.Event(), True)
     computed = []
     real = fmt.blocksum64
-    monkeypatch.setattr(writer, "blocksum64", lambda a: computed.append(a) or real(a))
-    monkeypatch.setattr(writer, "blocksum64_packed",
+    monkeypatch.setattr(rankfile, "blocksum64", lambda a: computed.append(a) or real(a))
+    monkeypatch.setattr(rankfile, "blocksum64_packed",
                         lambda d, n: computed.extend(n) or fmt.blocksum64_packed(d, n))
     datas = [c.array for c in copies]
-    sums, bad = writer.checks(datas, True, known)
+    sums, bad = rankfile.checks(datas, True, known)
     assert sums == [fmt.blocksum64(a) for a in arrays]
     assert bad == [2]
     assert (computed == []) == (path == "numba")

@@ -12,9 +12,9 @@ from mpi4py import MPI
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import verify, writer
 from hpctrain.checkpoint.format import latest_checkpoint, step_of
+from hpctrain.checkpoint.rankfile import all_finite
 from hpctrain.checkpoint.state import held_tensors
 from hpctrain.checkpoint.training import NonFiniteState, save_training
-from hpctrain.checkpoint.writer import all_finite
 from hpctrain.guard import EXIT_DIVERGED, DivergenceError, NonFiniteGuard, describe
 from hpctrain.metrics import read_metrics
 from hpctrain.parallel.engine import build_engine

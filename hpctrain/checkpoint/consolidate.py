@@ -29,9 +29,10 @@ from hpctrain.checkpoint.format import (
     flat_name,
     write_index,
 )
+from hpctrain.checkpoint.rankfile import allocate_flat, flat_layout, pwrite_all
 from hpctrain.checkpoint.reader import Checkpoint
 from hpctrain.checkpoint.reshard import box_volume, full_box, slices
-from hpctrain.checkpoint.writer import allocate_flat, commit, flat_layout, prepare, pwrite_all
+from hpctrain.checkpoint.writer import commit, prepare
 from hpctrain.data.format import atomic_h5
 
 
@@ -78,7 +79,6 @@ def expand(src: str | Path, dst: str | Path, *, files: int = 1) -> Path:
             for i, box in where[-1]:
                 placed[i].append((np.dtype(entry.dtype).str, box_volume(box)))
         layouts = [flat_layout(p) for p in placed]
-        names = [data_filename(i) for i in range(files) if placed[i]]
         offsets = {i: allocate_flat(tmp / data_filename(i), ckpt.step, i, layouts[i][0])
                    for i in range(files) if placed[i]}
         fds = {i: os.open(tmp / data_filename(i), os.O_WRONLY) for i in offsets}
@@ -102,4 +102,4 @@ def expand(src: str | Path, dst: str | Path, *, files: int = 1) -> Path:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        return commit(root, tmp, ckpt.step, ckpt.meta, names, entries, keep=1 << 30)
+        return commit(root, tmp, ckpt.step, ckpt.meta, entries, keep=1 << 30)

@@ -1,7 +1,7 @@
 """A snapshot's copy, checksum and finite test in one pass over the bytes.
 
 The background writer (``background.py``) copies the arrays it saves, then
-``writer.checks`` passes over the copies twice more: ``blocksum64`` of every piece
+``rankfile.checks`` passes over the copies twice more: ``blocksum64`` of every piece
 and, with ``finite``, the test for nan and inf. Those passes run beside the training
 steps and take memory bandwidth and CPU from them. ``copy_checked`` does all three
 in the copy: a numba kernel (``_kernel``) loads each 64-bit word once,
@@ -100,7 +100,7 @@ def copy_checked(src: np.ndarray, dst: np.ndarray, finite: bool) -> tuple[str, b
     """Copy the C-contiguous ``src`` into the C-contiguous ``dst`` (same shape and
     dtype); return its ``blocksum64`` and, with ``finite``, whether it holds no nan or
     inf (always True without ``finite`` and for dtypes other than floating point)."""
-    from hpctrain.checkpoint.writer import all_finite
+    from hpctrain.checkpoint.rankfile import all_finite
 
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"copy_checked: {src.dtype}{src.shape} into {dst.dtype}{dst.shape}")

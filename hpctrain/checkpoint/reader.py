@@ -59,6 +59,7 @@ from hpctrain.checkpoint.format import (
     read_index,
     resolve,
 )
+from hpctrain.checkpoint.rankfile import IOV_MAX, all_finite, byte_views
 from hpctrain.checkpoint.reshard import (
     Box,
     Sharding,
@@ -72,7 +73,6 @@ from hpctrain.checkpoint.reshard import (
     tiles,
 )
 from hpctrain.checkpoint.state import Held
-from hpctrain.checkpoint.writer import IOV_MAX, all_finite, byte_views
 
 RUN_BYTES = 8 << 20  # read_held's reads: checksums of one overlap the reading of the next
 _segments = functools.lru_cache(maxsize=4096)(segments)  # pure, and asked at every load

@@ -14,34 +14,26 @@ alike (``background.BackgroundWriter`` runs the plan on the training thread and
    only (ZeRO slices of the tied table differ between stages).
 2. rank 0 removes interrupted saves (``step-*.tmp/``), saying so in one line, and
    creates ``step-N.tmp/``;
-3. each rank writes its pieces to ``rank-RRRRR.h5`` (or, with parallel HDF5, its
-   boxes of the shared ``data.h5``) and fsyncs it. HDF5 only makes the structure:
-   one flat dataset per dtype (``format``), contiguous, its storage allocated at
-   once and never filled; the file is closed and the bytes go straight from the
-   arrays to their offsets (the pieces of a dtype back to back), which is a raw
-   write: around the page cache (``direct.py``: ``O_DIRECT``, through two aligned
-   buffers) where the file system allows it, else ``os.pwritev``. While the bytes go
-   to the disk, a second thread takes the pieces' checksums and, with ``finite``,
-   checks that every floating-point piece is finite (a sum: nan and inf survive it).
-   The phase ends in one ``allgather`` of every rank's I/O error and non-finite
-   tensors: any of the first is a ``CheckpointError`` on every rank, any of the
-   second a ``NonFiniteState`` on every rank, after rank 0 removed ``step-N.tmp/``.
-   Only the pieces a rank writes are checked, so each value of the checkpoint is
-   checked once, by its writer, off the critical path (a replica is never written).
-   The background writer's snapshot comes with its checks, taken during its copy
-   (``copysum.py``, numba); without numba its pieces, lying back to back in one
-   buffer, are checked per dtype in a few NumPy calls (``checks``), not 231 pairs.
-   A rank that waits for the others before a collective sleeps in a polled
-   non-blocking barrier (``arrive``), so that it leaves its core to the ranks still
-   writing and checking when ranks share cores (dp = 2 on this 2-core machine).
-   Profiled on the benchmark GPT (131 MB, 231 pieces): version 1 spent 0.08 s in
-   sha256, 0.05 s in three attributes per dataset, 0.03 s making a group per tensor
-   through h5py and 0.07 s in HDF5's writes, against 0.08 s for the raw write;
-   version 2 still spent 8-12 ms creating 231 datasets, and 8 ms summing every held
-   array for the non-finite check before anything was written;
-4. rank 0 gathers the piece table, checks that every tensor is tiled exactly once,
-   writes ``index.h5``, fsyncs it and the folder, renames it ``step-N/``, fsyncs
-   ``root``, points ``latest`` at it (atomic replace) and keeps the newest ``keep``.
+3. each rank writes its pieces to ``rank-RRRRR.h5`` (``rankfile.RankFileWrite``: HDF5
+   makes the structure, the bytes go straight from the arrays to their offsets, around
+   the page cache where the file system allows it) or, with parallel HDF5, its boxes
+   of the shared ``data.h5``. While the bytes go to the disk from a thread, the rank
+   takes its pieces' checksums and, with ``finite``, tests that every floating-point
+   piece is finite; only the pieces a rank writes are checked, so each value of the
+   checkpoint is checked once, by its writer (a replica is never written). The
+   background writer's snapshot comes with its checks, taken during its copy
+   (``copysum.py``, numba). Then, still while the bytes go, the piece table is
+   gathered on rank 0, which checks that every tensor is tiled exactly once and
+   writes ``index.h5`` (not yet fsynced: 3-4 ms here, off the critical path). The
+   phase ends, the bytes fsynced, in one ``allgather`` of every rank's I/O error and
+   non-finite tensors: any of the first is a ``CheckpointError`` on every rank, any of
+   the second a ``NonFiniteState`` on every rank, after rank 0 removed
+   ``step-N.tmp/``. A rank that waits for the others before a collective sleeps in a
+   polled non-blocking barrier (``arrive``), so that it leaves its core to the ranks
+   still writing and checking when ranks share cores (dp = 2 on this 2-core machine);
+4. rank 0 fsyncs the index and the folder, renames it ``step-N/``, fsyncs ``root``,
+   points ``latest`` at it (atomic replace) and keeps the newest ``keep``
+   (``publish``).
 
 A job killed at any point leaves ``latest`` naming the previous complete checkpoint.
 ``on_event(kind, path)``, if given, is called after each flat dataset ("dataset"),
@@ -52,19 +44,17 @@ rank file ("file"), the index ("index"), the rename ("renamed") and the pointer
 from __future__ import annotations
 
 import functools
-import os
+import hashlib
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from hpctrain.checkpoint import direct
 from hpctrain.checkpoint.format import (
     DATA,
     INDEX_NAME,
@@ -75,26 +65,21 @@ from hpctrain.checkpoint.format import (
     Piece,
     TensorEntry,
     blocksum64,
-    blocksum64_packed,
     data_filename,
-    flat_name,
     step_dirname,
     step_of,
     write_index,
 )
+from hpctrain.checkpoint.rankfile import RankFileWrite, all_finite
 from hpctrain.checkpoint.reshard import (
     Segment,
     box_volume,
     extract,
-    region,
     segments,
     tiles,
 )
 from hpctrain.checkpoint.state import Held
 from hpctrain.data.format import DataError, atomic_output, fsync_dir, fsync_path
-
-IOV_MAX = 1024  # buffers per pwritev/preadv call (Linux)
-
 
 CHECKPOINT_IO = ("auto", "mpio", "files")  # [train] checkpoint_io
 MPIO_REMEDY = ("build h5py against the parallel HDF5 of the MPI that mpi4py uses: "
@@ -171,22 +156,6 @@ class NonFiniteState(CheckpointError):
     """The state to save holds nan or inf: no checkpoint is written (every rank)."""
 
 
-def all_finite(a: np.ndarray) -> bool:
-    """Whether a floating-point array holds no nan or inf (other dtypes: True). A sum
-    is the fast test (any nan or inf makes it non-finite; memory speed); only a sum
-    that says so is confirmed element-wise, since finite values may overflow it."""
-    if a.dtype.kind not in "fc" or not a.size:
-        return True
-    with np.errstate(over="ignore", invalid="ignore"):
-        if a.dtype in _BLAS and a.flags.c_contiguous:  # the sum of squares: 28 GB/s
-            flat = a.reshape(-1)  # against 16 for a.sum(); nan and inf survive it too
-            return bool(np.isfinite(np.dot(flat, flat))) or bool(np.isfinite(a).all())
-        return bool(np.isfinite(a.sum())) or bool(np.isfinite(a).all())
-
-
-_BLAS = (np.dtype(np.float32), np.dtype(np.float64))  # np.dot of these is one BLAS pass
-
-
 def non_finite_error(step: int, everyone: list[list[str]]) -> NonFiniteState | None:
     """The refusal naming the first rank's first non-finite tensor (``everyone[rank]``:
     the names each rank found), or None if there are none."""
@@ -241,151 +210,6 @@ def _describe(key: Key) -> tuple[list, dict]:
         for seg in segments(sh):
             items.append((name, seg.box, box_volume(seg.box) * itemsize))
     return (stage, items), info
-
-
-def flat_layout(pieces: list[tuple[str, int]]) -> tuple[dict[str, int], list[int]]:
-    """Where pieces ``(dtype str, elements)`` go in a data file: back to back in the
-    flat dataset of their dtype. Returns ``{dtype: elements}`` and each one's ``at``."""
-    sizes: dict[str, int] = {}
-    ats = []
-    for dtype, n in pieces:
-        ats.append(sizes.get(dtype, 0))
-        sizes[dtype] = ats[-1] + n
-    return sizes, ats
-
-
-def allocate_flat(path: Path, step: int, rank: int, sizes: dict[str, int],
-                  on_event=None) -> dict[str, int]:
-    """Create the data file ``path`` (refusing to overwrite) with its format
-    attributes and one flat dataset per dtype of ``sizes[dtype]`` elements, contiguous,
-    its storage allocated at once and never filled; return each one's byte offset
-    (its bytes are written afterwards, straight to the file)."""
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    offsets = {}
-    # large datasets start on an O_DIRECT boundary (direct.py)
-    with h5py.File(path, "w-", alignment_threshold=direct.DIRECT_MIN,
-                   alignment_interval=direct.ALIGN) as f:
-        f.attrs.update({"format": DATA, "version": VERSION, "step": step, "rank": rank})
-        for dtype, n in sizes.items():
-            name = flat_name(dtype)
-            dset = h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)),
-                                   h5py.h5s.create_simple((n,)), dcpl=dcpl)
-            offsets[dtype] = dset.get_offset()
-            if offsets[dtype] is None:  # contiguous and allocated early: only if empty
-                if n:
-                    raise CheckpointError(f"{path}: HDF5 gave dataset {name} no storage")
-                offsets[dtype] = 0
-            if on_event:
-                on_event("dataset", path)
-    return offsets
-
-
-def byte_views(arrays: list[np.ndarray]) -> list[memoryview]:
-    """Flat byte views of C-contiguous arrays (empty ones left out)."""
-    return [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
-
-
-def pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
-    """Write the arrays' bytes one after another from ``offset`` (whole, however the
-    kernel splits the calls)."""
-    views = byte_views(arrays)
-    k = 0
-    while k < len(views):
-        n = os.pwritev(fd, views[k:k + IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset}")
-        offset += n
-        while k < len(views) and n >= views[k].nbytes:
-            n -= views[k].nbytes
-            k += 1
-        if n:
-            views[k] = views[k][n:]
-
-
-def write_flat(path: Path, fd: int, arrays: list[np.ndarray], offset: int) -> None:
-    """The arrays' bytes one after another from ``offset`` of ``path`` (open as ``fd``):
-    around the page cache (``direct.direct_write``) when the run is large and aligned
-    and the file system allows it, else through ``fd``."""
-    nbytes = sum(a.nbytes for a in arrays)
-    if (direct.supported() and nbytes >= direct.DIRECT_MIN and offset % direct.ALIGN == 0
-            and direct.direct_write(path, fd, arrays, offset)):
-        return
-    pwrite_all(fd, arrays, offset)
-
-
-def known_key(a: np.ndarray) -> tuple[int, int, str]:
-    """What identifies an array's bytes among those checked before the write (the
-    background writer's snapshot, ``copysum``): address, length, dtype."""
-    return a.ctypes.data, a.nbytes, a.dtype.str
-
-
-def checks(datas: list[np.ndarray], finite: bool,
-           known: dict | None = None) -> tuple[list[str], list[int]]:
-    """Each array's blocksum64, and (``finite``) the positions of the non-finite ones.
-    ``known``: checks already taken (``known_key`` -> (blocksum64, finite)), used for
-    the arrays they name. The other arrays of a dtype that lie back to back in one
-    buffer (the background writer's snapshot without numba, ``direct._span``) are
-    checked whole, in a few NumPy calls (``format.blocksum64_packed``, one finite
-    test of the buffer, per piece only if it fails); the rest one at a time."""
-    sums: list[str | None] = [None] * len(datas)
-    bad = []
-    groups: dict[str, list[int]] = {}
-    for k, d in enumerate(datas):
-        done = known.get(known_key(d)) if known else None
-        if done is not None:
-            sums[k] = done[0]
-            if finite and not done[1]:
-                bad.append(k)
-            continue
-        groups.setdefault(d.dtype.str, []).append(k)
-    for ks in groups.values():
-        ks = [k for k in ks if datas[k].nbytes]
-        span = direct._span([datas[k] for k in ks])
-        packed = None if span is None else blocksum64_packed(span, [datas[k].nbytes
-                                                                    for k in ks])
-        if packed is not None:
-            for k, digest in zip(ks, packed, strict=True):
-                sums[k] = digest
-            if finite and not all_finite(span.view(datas[ks[0]].dtype)):
-                bad += [k for k in ks if not all_finite(datas[k])]
-    for k, d in enumerate(datas):
-        if sums[k] is None:
-            sums[k] = blocksum64(d)
-            if finite and not all_finite(d):
-                bad.append(k)
-    return sums, sorted(bad)
-
-
-def _write_rank_file(path: Path, arrays: dict[str, np.ndarray], todo: tuple, step: int,
-                     rank: int, on_event, finite: bool,
-                     known: dict | None = None) -> tuple[list, list[str]]:
-    """This rank's pieces in the flat datasets of a data file: the structure through
-    HDF5, the bytes straight to their offsets, fsync'ed; returns the piece table and
-    (``finite``) the tensors with a non-finite piece. The checksums and the finite
-    check (those ``known`` lacks: ``checks``) run in a second thread while the bytes
-    go to the disk."""
-    items = [(name, seg.box, region(arrays[name], seg)) for name, seg in todo]
-    datas = [v if v.flags.c_contiguous else np.ascontiguousarray(v) for _, _, v in items]
-    sizes, ats = flat_layout([(d.dtype.str, d.size) for d in datas])
-    offsets = allocate_flat(path, step, rank, sizes, on_event)
-    fd = os.open(path, os.O_WRONLY)  # HDF5 wrote its metadata, we write the raw bytes
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            checked = pool.submit(checks, datas, finite, known)  # beside the writes
-            for dtype, offset in offsets.items():
-                write_flat(path, fd, [d for d in datas if d.dtype.str == dtype], offset)
-            os.fsync(fd)  # the file's data and HDF5's metadata
-            sums, bad = checked.result()
-    finally:
-        os.close(fd)
-    if on_event:
-        on_event("file", path)
-    pieces = [(name, Piece(path.name, flat_name(d.dtype), tuple(a for a, _ in box),
-                           tuple(b for _, b in box), digest, at=at))
-              for (name, box, _), d, digest, at in zip(items, datas, sums, ats, strict=True)]
-    return pieces, _names([items[k][0] for k in bad])
 
 
 def _names(names: list[str]) -> list[str]:
@@ -504,12 +328,17 @@ def _index_entries(gathered: list[list[tuple[str, Piece]]], infos: list[dict]
     return entries
 
 
-def commit(root: Path, tmp: Path, step: int, meta: dict, files: list[str],
-           entries: list[TensorEntry], keep: int, on_event=None) -> Path:
-    """Rank 0: the index, fsync, rename to ``step-N/``, the ``latest`` pointer, pruning.
-    The data files were fsync'ed by their writers."""
+def write_index_file(tmp: Path, step: int, meta: dict, entries: list[TensorEntry]) -> None:
+    """Rank 0: ``index.h5`` in ``step-N.tmp/``, not yet fsynced (``publish`` does it)."""
+    files = sorted({p.file for e in entries for p in e.pieces})
     with h5py.File(tmp / INDEX_NAME, "w-") as f:
         write_index(f, step=step, meta=meta, files=files, tensors=entries)
+
+
+def publish(root: Path, tmp: Path, step: int, keep: int, on_event=None) -> Path:
+    """Rank 0, once every data file and the index are written: fsync the index and
+    the folder, rename it ``step-N/``, point ``latest`` at it, keep the newest
+    ``keep``. The data files were fsynced by their writers."""
     fsync_path(tmp / INDEX_NAME)
     fsync_dir(tmp)
     if on_event:
@@ -531,6 +360,13 @@ def commit(root: Path, tmp: Path, step: int, meta: dict, files: list[str],
         shutil.rmtree(old)
     prune(root, keep)
     return final
+
+
+def commit(root: Path, tmp: Path, step: int, meta: dict, entries: list[TensorEntry],
+           keep: int, on_event=None) -> Path:
+    """Rank 0: the index of ``entries``, then ``publish``."""
+    write_index_file(tmp, step, meta, entries)
+    return publish(root, tmp, step, keep, on_event)
 
 
 PRUNED = ".pruned"  # the suffix of a checkpoint folder being deleted
@@ -591,11 +427,45 @@ class Plan:
 
 def plan(held: list[Held], comm, stage: int = 0) -> Plan:
     """Phase 1 (see above): which pieces this rank writes. Collective over ``comm``:
-    one allgather of what each rank holds (names, dtypes, shardings); the plan of the
-    same holdings is computed once and kept."""
+    what each rank holds (names, dtypes, shardings) is gathered once and kept; later
+    saves of the same holdings gather only a digest of each and a flag (two small
+    collectives: 0.1 ms, against 1.4 ms for the benchmark GPT's 231 tensors, pickled at
+    every save before); the plan of the same holdings is computed once and kept."""
     key = held_key(held, stage)
-    keys = tuple(comm.allgather(key)) if comm.Get_size() > 1 else (key,)
+    if comm.Get_size() == 1:
+        return _plan_of((key,), 0)
+    digests = tuple(comm.allgather(_digest(key)))
+    keys = _gathered.get(digests)
+    # every rank must agree to skip the gather: a rank may have seen these holdings
+    # in a gather the others were not part of
+    if not comm.allreduce(keys is not None, op=_land()):
+        keys = tuple(comm.allgather(key))
+        if len(_gathered) >= _KEPT:
+            _gathered.clear()
+        _gathered[digests] = keys
     return _plan_of(keys, comm.Get_rank())
+
+
+_KEPT = 8  # holdings kept by ``plan`` (a process saves one or two kinds)
+_gathered: dict[tuple[bytes, ...], tuple[Key, ...]] = {}  # every rank's digest -> keys
+_digests: dict[Key, bytes] = {}
+
+
+def _digest(key: Key) -> bytes:
+    """A digest of what a rank holds, the same in every process (Python's ``hash`` of
+    strings differs between processes)."""
+    digest = _digests.get(key)
+    if digest is None:
+        if len(_digests) >= _KEPT:
+            _digests.clear()
+        digest = _digests[key] = hashlib.sha256(repr(key).encode()).digest()
+    return digest
+
+
+def _land():
+    from mpi4py import MPI
+
+    return MPI.LAND
 
 
 @functools.lru_cache(maxsize=8)
@@ -660,12 +530,33 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
         return prepare(root, step, say) if rank == 0 else None
 
     all_ranks(comm, start, f"preparing {tmp}", catch, arrive)
-    error, (pieces, bad) = None, ([], [])
+    error, pieces, bad, writing = None, [], [], None
     try:
-        pieces, bad = _write(tmp, arrays, planned, step, comm, on_event, finite, shared,
-                             known)
+        if shared:  # collective: every rank, whatever failed before
+            pieces, bad = _write_shared(tmp / SHARED_NAME, arrays, planned, step, comm,
+                                        on_event, finite)
+        elif planned.todo:
+            writing = RankFileWrite(tmp / data_filename(rank), arrays, planned.todo, step,
+                                    rank, on_event, finite, known)
+            pieces, bad = writing.checks()  # while the bytes go to the disk
     except catch as err:
         error = str(err) or type(err).__name__
+    # rank 0 writes the index while the bytes go: it is fsynced, and the folder
+    # renamed, only once every rank's data is on the disk
+    arrive()
+    gathered = comm.gather((pieces, error is None and not bad), root=0) if size > 1 else \
+        [(pieces, error is None and not bad)]
+    if rank == 0 and all(ok for _, ok in gathered):
+        try:
+            entries = _index_entries([p for p, _ in gathered], planned.infos)
+            write_index_file(tmp, step, meta, entries)
+        except catch as err:
+            error = str(err) or type(err).__name__
+    if writing is not None:
+        try:
+            writing.finish()
+        except catch as err:
+            error = error or str(err) or type(err).__name__
     arrive()
     verdicts = comm.allgather((error, bad)) if size > 1 else [(error, bad)]
     failed = [r for r, (e, _) in enumerate(verdicts) if e is not None]
@@ -677,27 +568,7 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise refusal
-    gathered = comm.gather(pieces, root=0) if size > 1 else [pieces]
-
-    def finish():
-        if rank != 0:
-            return None
-        entries = _index_entries(gathered, planned.infos)
-        files = sorted({p.file for e in entries for p in e.pieces})
-        return commit(root, tmp, step, meta, files, entries, keep, on_event)
-
-    final = all_ranks(comm, finish, f"committing {tmp}", catch, arrive)
+    final = all_ranks(comm, lambda: publish(root, tmp, step, keep, on_event) if rank == 0
+                      else None, f"committing {tmp}", catch, arrive)
     return comm.bcast(final, root=0) if size > 1 else final
 
-
-def _write(tmp: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int, comm,
-           on_event, finite: bool, shared: bool, known: dict) -> tuple[list, list[str]]:
-    """This rank's pieces and non-finite tensors: into the shared file (``shared``:
-    parallel HDF5), else its own file (none if it writes nothing)."""
-    if shared:
-        return _write_shared(tmp / SHARED_NAME, arrays, planned, step, comm, on_event,
-                             finite)
-    if not planned.todo:
-        return [], []
-    return _write_rank_file(tmp / data_filename(comm.Get_rank()), arrays, planned.todo,
-                            step, comm.Get_rank(), on_event, finite, known)
