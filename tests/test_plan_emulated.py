@@ -148,3 +148,27 @@ def test_the_cpu_a_byte_costs_is_the_slope_over_the_bytes_sent():
     kind = emulated.describe(replace(measured(), unshaped=tuple(samples)))[0].kinds["node"]
     assert kind.comm_cpu_s_per_byte == pytest.approx(c)
     assert emulated.describe(measured())[0].kinds["node"].comm_cpu_s_per_byte == 0.0
+
+
+def test_the_hidden_share_of_a_sum_follows_the_cost_models_form():
+    """``comm_overlap`` solves the model's exposure for the measured one: a sum
+    launched at once beside a longer compute is exposed by h * cpu + (1 - h) * comm."""
+    from hpctrain.plan import overlap
+
+    base = {"compute_s": 1.0, "comm_s": 0.4, "nbytes": 4e6, "buckets": 4.0, "ranks": 4.0}
+    cpu_per_byte = 0.1 / (4 * cl.volume("all_reduce", 4, 1e6))  # 0.1 s for the whole sum
+    assert overlap.hidden_share({**base, "both_s": 1.1}, cpu_per_byte) == pytest.approx(1.0)
+    assert overlap.hidden_share({**base, "both_s": 1.4}, cpu_per_byte) == pytest.approx(0.0)
+    h = overlap.hidden_share({**base, "both_s": 1.25}, cpu_per_byte)
+    assert h == pytest.approx(0.5)  # 0.25 = 0.5 * 0.1 + 0.5 * 0.4
+    assert overlap.hidden_share({**base, "both_s": 0.9}, 0.0) == 1.0  # faster than alone
+    assert overlap.hidden_share({**base, "both_s": 2.0}, cpu_per_byte) == 0.0  # clipped
+    # and the description carries it, the report saying so
+    m = measured()
+    m = emulated.Measured(**{**m.__dict__, "overlap": {**base, "both_s": 1.25}})
+    c, report = emulated.describe(m)
+    assert c.kinds["node"].comm_overlap == pytest.approx(1 - 0.25 / 0.4)  # no CPU measured
+    assert any("comm_overlap" in line for line in report)
+    back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c)))
+    assert back.kinds["node"].comm_overlap == pytest.approx(c.kinds["node"].comm_overlap,
+                                                            abs=1e-3)

@@ -58,6 +58,7 @@ GEMM_BATCH_FLOP = 2e8  # a timed GEMM sample runs products until about this many
 COMM_BATCH_BYTES = MiB  # a timed collective sample runs calls until about this many bytes
 SUSTAINED_FLOP = 2e10  # a sustained GEMM sample (about 0.2 s of a core)
 SUSTAINED_PASSES = 40  # a sustained stream sample (about 0.2 s of a core)
+OVERLAP_BUCKET_MB = 4.0  # the data-parallel default ([parallel] bucket_mb)
 STREAM_ELEMENTS = 16 << 20  # float32 elements per array of the stream probe (64 MiB)
 RESULT_TAG = "CALIBRATE-RESULT "  # rank 0's stdout line carrying the measurements
 PIECE_TOLERANCE = 0.10  # one line is kept when it misses no measured time by more
@@ -297,6 +298,8 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--comm-repeats", type=int, default=1)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--sustained", action="store_true")
+    parser.add_argument("--overlap", type=int, default=0,
+                        help="bytes of gradient buckets summed beside compute (overlap.py)")
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
@@ -318,6 +321,13 @@ def worker(argv: list[str]) -> None:
         result["samples"] = [s.__dict__ for s in collective_times(comm, messages,
                                                                   args.comm_repeats, sent)]
         result["sent_bytes"] = sum(sent)
+    if args.overlap:
+        from hpctrain.plan.overlap import overlap_times
+
+        result["overlap"] = overlap_times(comm, args.overlap, OVERLAP_BUCKET_MB,
+                                          max(1, args.comm_repeats))
+        _progress(comm, "  overlap " + ", ".join(f"{k} {v:.4g}" for k, v in
+                                                 result["overlap"].items()))
     if comm.Get_rank() == 0:
         print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -395,7 +405,7 @@ def memory_gib() -> float:
 
 def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
                repeats: tuple[int, int], timeout: float, *, stream: bool = False,
-               sustained: bool = False, command=None) -> dict:
+               sustained: bool = False, command=None, overlap: int = 0) -> dict:
     """One MPI job of ``ranks`` ranks; its progress goes to stderr as it runs, its
     result comes back. A failure or a timeout is a ClickException with the command.
     ``command(ranks, argv)``: the launch command of ``argv`` (default ``launcher -n
@@ -405,6 +415,7 @@ def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
             "--sizes", ",".join(map(str, sizes)), "--messages", ",".join(map(str, messages)),
             "--gemm-repeats", str(repeats[0]), "--comm-repeats", str(repeats[1])]
     argv += (["--stream"] if stream else []) + (["--sustained"] if sustained else [])
+    argv += ["--overlap", str(overlap)] if overlap else []
     cmd = command(ranks, argv) if command else [launcher, "-n", str(ranks), *argv]
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}

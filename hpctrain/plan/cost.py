@@ -36,10 +36,10 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   always exposed, and a pipeline stage's sum overlaps only the other stages' remaining
   work). Two properties of the node kind refine it: ``comm_overlap`` (the share of a
   sum that hides, 1 unless the description says less: exposed moves linearly to the
-  whole sum at 0) and ``comm_cpu_s_per_byte`` (the CPU a byte sent across nodes costs,
-  TCP's copies and stack: the part of the sum that ran during compute adds that much
-  to the step; measured by ``calibrate --emulated``, 0 for RDMA adapters). ZeRO's
-  all-gather is never hidden.
+  whole sum at 0; ``calibrate --emulated`` measures it, ``overlap.py``) and
+  ``comm_cpu_s_per_byte`` (the CPU a byte sent across nodes costs, TCP's copies and
+  stack: the part of the sum that ran during compute adds that much to the step;
+  measured by ``calibrate --emulated``, 0 for RDMA adapters). ZeRO's all-gather is never hidden.
   Periodic averaging strategies send the parameters (an all-reduce) every
   ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;

@@ -25,7 +25,10 @@ the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
   not their links bound the collectives (UCX over TCP copies every byte, and the
   kernel's TCP stack runs on the node's core): the slope of time over the bytes a rank
   sends (``cpu_per_byte``). A sum hidden under the backward takes that CPU from it
-  (``cost.dp_time``).
+  (``cost.dp_time``);
+* **how much of a sum hides under compute** (``comm_overlap``): gradient buckets
+  summed by the data-parallel engine's own machinery beside a loop of products, on
+  every node at once over the shaped links, against each alone (``overlap.py``).
 
 Every node has one rank, so no collective stays inside a node: ``[links.intra]`` is a
 copy of ``[links.inter]`` and the file says so. ``describe`` is the pure part (what a
@@ -43,12 +46,14 @@ import click
 
 from hpctrain.plan import calibrate as cal
 from hpctrain.plan import cluster as cl
+from hpctrain.plan import overlap
 
 NAME, SUBNET = "hpctcal", "10.223.0.0/24"  # the calibration's own cluster and switch
 MIN_ON_LINK = 0.9  # node 0's port must count at least this share of rank 0's ring bytes
 UNSHAPED_BPS = 100 * 10**9  # links for the CPU measurement: faster than a core moves bytes
 DEFAULT_MESSAGES = tuple(cal.KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 QUICK_MESSAGES = (cal.KiB, 64 * cal.KiB, cal.MiB)
+OVERLAP_BYTES = 16 * cal.MiB  # gradient buckets summed beside compute (comm_overlap)
 
 
 def parse(text: str) -> tuple[int, str]:
@@ -81,6 +86,7 @@ class Measured:
     on_link: list[tuple[int, float, int]]  # per job: (ranks, ring bytes of rank 0, port bytes)
     memory_bytes: float  # this machine's memory
     unshaped: tuple = ()  # the collectives again on links too fast to bound them (Samples)
+    overlap: dict | None = None  # overlap.overlap_times over every node, shaped links
 
 
 def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str]]:
@@ -88,8 +94,10 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
     intra) and the fit report's lines. Pure."""
     gemm = {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm.items()))}
     cpu = cpu_per_byte(list(m.unshaped))
+    hidden = 1.0 if m.overlap is None else overlap.hidden_share(m.overlap, cpu)
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
-                       {1: statistics.median(m.stream)}, comm_cpu_s_per_byte=cpu)
+                       {1: statistics.median(m.stream)}, comm_overlap=hidden,
+                       comm_cpu_s_per_byte=cpu)
     links, report = {}, []
     for op in cl.OPS:
         mine = [s for s in m.samples if s.op == op]
@@ -100,6 +108,12 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
     if m.unshaped:
         report.append(f"  CPU a byte sent costs a node (the collectives on unshaped links): "
                       f"{cpu * 1e9:.3f} ns (comm_cpu_s_per_byte)")
+    if m.overlap is not None:
+        o = m.overlap
+        report.append(f"  {o['nbytes'] / 2**20:.0f} MiB of gradient buckets summed beside "
+                      f"{o['compute_s']:.3f} s of products: alone {o['comm_s']:.3f} s, "
+                      f"together {o['both_s']:.3f} s, so {hidden:.2f} of a sum hides "
+                      f"(comm_overlap)")
     return cluster, report
 
 
@@ -158,14 +172,14 @@ INTRA_NOTE = ("# intra: one rank a node, so nothing stays inside a node; these a
 
 
 def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
-            timeout: float) -> Measured:
+            timeout: float, overlap_bytes: int = OVERLAP_BYTES) -> Measured:
     """Bring the cluster up, run the jobs, take it down (root)."""
     from hpctrain.cluster import lifecycle, net
     from hpctrain.cluster import spec as spec_mod
 
     spec = spec_mod.uniform(nodes, cores=1, cpu_share=node_share(nodes, cal.core_count()),
                             link=link, name=NAME, subnet=SUBNET)
-    gemm, stream, samples, on_link = {}, [], [], []
+    gemm, stream, samples, on_link, overlapped = {}, [], [], [], None
     with lifecycle.running(spec, log=lambda text: click.echo(text, err=True)) as c:
         def command(ranks, argv):
             return c.mpiexec_command(argv, ranks_per_node=1, ranks=ranks, mpiexec=mpiexec)
@@ -180,12 +194,14 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
             result = cal.run_worker(mpiexec, ranks, 1, settings.sizes if first else (),
                                     settings.messages,
                                     (settings.gemm_repeats, settings.comm_repeats), timeout,
-                                    stream=first, sustained=True, command=command)
+                                    stream=first, sustained=True, command=command,
+                                    overlap=overlap_bytes if first else 0)
             on_link.append((ranks, result["sent_bytes"],
                             net.link_bytes(spec, node0)[0] - before))
             if first:
                 gemm = {int(n): r for n, r in result["gemm"].items()}
                 stream = result["stream"]
+                overlapped = result.get("overlap")
             samples += [cal.Sample(**s) for s in result["samples"]]
             click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
         # the CPU a byte costs: the largest messages again with the links unshaped,
@@ -201,7 +217,7 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
         unshaped = tuple(cal.Sample(**s) for s in result["samples"])
         click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
     return Measured(nodes, link, gemm, stream, samples, on_link, cal.memory_gib() * 2**30,
-                    unshaped)
+                    unshaped, overlapped)
 
 
 def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec: str,
@@ -221,7 +237,8 @@ def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec:
     click.echo(f"calibrating {nodes} emulated one-core nodes at {link} on {cores} cores; "
                f"load {load}", err=True)
     try:
-        m = measure(nodes, link, settings, mpiexec, timeout)
+        m = measure(nodes, link, settings, mpiexec, timeout,
+                    OVERLAP_BYTES // 4 if quick else OVERLAP_BYTES)
     except ClusterError as err:
         raise click.ClickException(str(err)) from None
     click.echo("\ntraffic between nodes, on the link:")
