@@ -55,6 +55,11 @@ def all_finite(a: np.ndarray) -> bool:
 _BLAS = (np.dtype(np.float32), np.dtype(np.float64))  # np.dot of these is one BLAS pass
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """``names`` without repeats, in order (a tensor with several bad pieces, once)."""
+    return list(dict.fromkeys(names))
+
+
 def flat_layout(pieces: list[tuple[str, int]]) -> tuple[dict[str, int], list[int]]:
     """Where pieces ``(dtype str, elements)`` go in a data file: back to back in the
     flat dataset of their dtype. Returns ``{dtype: elements}`` and each one's ``at``."""
@@ -210,7 +215,7 @@ class RankFileWrite:
                                tuple(b for _, b in box), digest, at=at))
                   for (name, box, _), d, digest, at in zip(self._items, self._datas, sums,
                                                            self._ats, strict=True)]
-        return pieces, list(dict.fromkeys(self._items[k][0] for k in bad))
+        return pieces, unique_names([self._items[k][0] for k in bad])
 
     def finish(self) -> None:
         """Wait for the bytes and their fsync; close the file; raise their error."""

@@ -70,7 +70,7 @@ from hpctrain.checkpoint.format import (
     step_of,
     write_index,
 )
-from hpctrain.checkpoint.rankfile import RankFileWrite, all_finite
+from hpctrain.checkpoint.rankfile import RankFileWrite, all_finite, unique_names
 from hpctrain.checkpoint.reshard import (
     Segment,
     box_volume,
@@ -212,10 +212,6 @@ def _describe(key: Key) -> tuple[list, dict]:
     return (stage, items), info
 
 
-def _names(names: list[str]) -> list[str]:
-    return list(dict.fromkeys(names))  # unique, in order
-
-
 def _write_shared(path: Path, arrays: dict[str, np.ndarray], planned: Plan, step: int,
                   comm, on_event, finite: bool = False) -> tuple[list, list[str]]:
     """Parallel HDF5: one file for every rank, each tensor a dataset of its global shape.
@@ -276,7 +272,7 @@ def _write_shared(path: Path, arrays: dict[str, np.ndarray], planned: Plan, step
         fsync_path(path)
     if on_event:
         on_event("file", path)
-    return pieces, _names(bad)
+    return pieces, unique_names(bad)
 
 
 def remove_stale(root: Path, say=print) -> list[str]:
@@ -438,7 +434,9 @@ def plan(held: list[Held], comm, stage: int = 0) -> Plan:
     keys = _gathered.get(digests)
     # every rank must agree to skip the gather: a rank may have seen these holdings
     # in a gather the others were not part of
-    if not comm.allreduce(keys is not None, op=_land()):
+    from mpi4py import MPI
+
+    if not comm.allreduce(keys is not None, op=MPI.LAND):
         keys = tuple(comm.allgather(key))
         if len(_gathered) >= _KEPT:
             _gathered.clear()
@@ -460,12 +458,6 @@ def _digest(key: Key) -> bytes:
             _digests.clear()
         digest = _digests[key] = hashlib.sha256(repr(key).encode()).digest()
     return digest
-
-
-def _land():
-    from mpi4py import MPI
-
-    return MPI.LAND
 
 
 @functools.lru_cache(maxsize=8)
@@ -544,8 +536,8 @@ def write_planned(root: str | Path, step: int, held: list[Held], planned: Plan, 
     # rank 0 writes the index while the bytes go: it is fsynced, and the folder
     # renamed, only once every rank's data is on the disk
     arrive()
-    gathered = comm.gather((pieces, error is None and not bad), root=0) if size > 1 else \
-        [(pieces, error is None and not bad)]
+    mine = (pieces, error is None and not bad)
+    gathered = comm.gather(mine, root=0) if size > 1 else [mine]
     if rank == 0 and all(ok for _, ok in gathered):
         try:
             entries = _index_entries([p for p, _ in gathered], planned.infos)

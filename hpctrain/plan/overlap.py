@@ -24,7 +24,6 @@ cpu)`` with ``exposed = both - compute``, clipped to [0, 1]. Pure, tested withou
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
@@ -40,6 +39,7 @@ def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str
     each the median over ``repeats`` of the slowest rank. Collective over ``comm``."""
     from mpi4py import MPI
 
+    from hpctrain.bench import timed_on_all_ranks
     from hpctrain.nn.module import Parameter
     from hpctrain.parallel.data import POLL_INTERVAL, GradBuckets, allreduce_launcher
 
@@ -52,21 +52,12 @@ def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str
     a, b = (rng.standard_normal((GEMM_N, GEMM_N), dtype=np.float32) for _ in "ab")
     c = np.empty_like(a)
 
-    def slowest(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        return statistics.median(times)
-
     def alone():
         for p in params:
             comm.Allreduce(MPI.IN_PLACE, p.grad, op=MPI.SUM)
 
     alone()  # warm-up: connections made, pages touched
-    comm_s = slowest(alone)
+    comm_s = timed_on_all_ranks(comm, alone, repeats)
     t0 = time.perf_counter()
     np.matmul(a, b, out=c)
     one = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
@@ -76,10 +67,10 @@ def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str
         for _ in range(products):
             np.matmul(a, b, out=c)
 
-    compute_s = slowest(compute)
+    compute_s = timed_on_all_ranks(comm, compute, repeats)
     while compute_s < COMPUTE_OVER_COMM * comm_s * 0.8:  # the first product was fast
         products = int(products * COMPUTE_OVER_COMM * comm_s / compute_s) + 1
-        compute_s = slowest(compute)
+        compute_s = timed_on_all_ranks(comm, compute, repeats)
 
     def both():
         buckets.zero()
@@ -87,7 +78,7 @@ def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str
         compute()
         buckets.wait()
 
-    both_s = slowest(both)
+    both_s = timed_on_all_ranks(comm, both, repeats)
     buckets.release()
     return {"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s,
             "nbytes": float(sum(4 * n for n in counts)), "buckets": float(len(counts)),
