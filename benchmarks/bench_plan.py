@@ -300,6 +300,20 @@ def spearman(x: list[float], y: list[float]) -> float:
     return num / den
 
 
+def rounds_agreement(by_round: list[list[float]]) -> list[str]:
+    """How well the measurement orders the layouts itself: the rank correlation of
+    every pair of rounds (``by_round``: each layout's step time in each round), the
+    ceiling for a prediction's against their medians. No line with one round."""
+    k = min(len(r) for r in by_round)
+    if k < 2:
+        return []
+    pairs = [spearman([r[i] for r in by_round], [r[j] for r in by_round])
+             for i in range(k) for j in range(i + 1, k)]
+    return ["the rounds' own order: rank correlation between rounds "
+            + ("" if len(pairs) == 1 else f"{min(pairs):.3f} to ") + f"{max(pairs):.3f} "
+            f"({len(pairs)} pair{'s' if len(pairs) > 1 else ''} of {k} rounds)"]
+
+
 def first_nodes(cluster, ranks: int):
     """A cluster of one-rank nodes cut to its first ``ranks`` nodes (a layout of fewer
     ranks than nodes, as serial on the first node); a cluster of several cores a node
@@ -322,7 +336,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     from hpctrain.plan.cost import estimate
 
     whole, added = with_stream(load_cluster(cluster_path), out)
-    rows, pred, meas = [], [], []
+    rows, pred, meas, by_round = [], [], [], []
     path = Path(out) / "load.json"
     loads = json.loads(path.read_text()) if path.exists() else {}
     got = any(loads.get(n, {}).get("cores_got") for n in names)  # only on a cluster
@@ -338,6 +352,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
         err, merr = e.step_s / step - 1, e.max_memory / peak - 1
         pred.append(e.step_s)
         meas.append(step)
+        by_round.append(rounds)
         rows.append((name, err, merr))
         top = sorted(e.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
@@ -356,6 +371,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
               f"{100 * max(errs):.1f}% ({rows[errs.index(max(errs))][0]}); Spearman rank "
               f"correlation {spearman(pred, meas):.3f}; predicted best {best_p}, measured best "
               f"{best_m} (the predicted best measures {100 * gap:.1f}% slower than the best)",
+              *rounds_agreement(by_round),
               f"memory: median |error| {100 * statistics.median(merrs):.1f}%, worst "
               f"{100 * max(merrs):.1f}% ({rows[merrs.index(max(merrs))][0]})",
               f"cluster: {cluster_path}" + (f", stream rates from {out}/stream.json"

@@ -65,3 +65,14 @@ def test_rounds_below_one_are_refused_by_name(bench_plan, capsys):
     with pytest.raises(SystemExit):
         bench_plan.main(["measure", "--rounds", "0"])
     assert "--rounds (0) must be at least 1" in capsys.readouterr().err
+
+
+def test_the_rounds_own_order_is_their_rank_correlation(bench_plan):
+    """Three layouts in three rounds: rounds 1 and 2 order them alike (1), round 3 swaps
+    the first two (0.5 against each); one round gives no line."""
+    by_round = [[1.0, 1.1, 2.1], [2.0, 2.1, 1.9], [3.0, 3.1, 3.2]]
+    line, = bench_plan.rounds_agreement(by_round)
+    assert "between rounds 0.500 to 1.000 (3 pairs of 3 rounds)" in line
+    two, = bench_plan.rounds_agreement([r[:2] for r in by_round])
+    assert "between rounds 1.000 (1 pair of 2 rounds)" in two
+    assert bench_plan.rounds_agreement([[1.0], [2.0], [3.0]]) == []
