@@ -231,12 +231,12 @@ def _collective(comm, op: str, nbytes: int):
 
 
 def collective_times(comm, messages: list[int], repeats: int,
-                     sent: list[float] | None = None) -> list[Sample]:
+                     sent: list[float] | None = None, quiet: bool = False) -> list[Sample]:
     """Seconds of each op on each message size over ``comm`` (see the module): the
     median over ``repeats`` of the slowest rank's mean over a batch; no ping-pong on one
     rank. ``sent``: a list this rank's bytes sent by the ring model (``cluster.volume``)
     over every call made is appended to (what the link must have carried at least).
-    Collective."""
+    ``quiet``: no progress lines (another group prints them). Collective."""
     from mpi4py import MPI
 
     p = comm.Get_size()
@@ -263,8 +263,27 @@ def collective_times(comm, messages: list[int], repeats: int,
             samples.append(Sample(op, 2 if op == "p2p" else p, moved, seconds))
             if sent is not None and (op != "p2p" or comm.Get_rank() < 2):
                 sent.append(cl.volume(op, p, moved) * (1 + repeats * batch))
-            _progress(comm, f"  {op:14s} p = {p}  {_bytes(moved):>9s}: {seconds * 1e6:10.1f} us")
+            if not quiet:
+                _progress(comm, f"  {op:14s} p = {p}  {_bytes(moved):>9s}: "
+                                f"{seconds * 1e6:10.1f} us")
     return samples
+
+
+def pair_times(comm, messages: list[int], repeats: int,
+               sent: list[float] | None = None) -> list[Sample]:
+    """``collective_times`` over pairs of ranks (0-1, 2-3, ...), every pair at once, as
+    the groups of two inside a layout run beside each other (the tensor groups of tp 2 x
+    dp 2, the stages of a pipeline); rank 0's pair's samples, on every rank of it.
+    ``comm`` has an even number of ranks, 4 or more. Collective."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    if p < 4 or p % 2:
+        raise ValueError(f"pairs need an even number of ranks, 4 or more (got {p})")
+    pair = comm.Split(rank // 2, rank)
+    try:
+        _progress(comm, f"  the same over {p // 2} pairs at once:")
+        return collective_times(pair, messages, repeats, sent, quiet=rank > 1)
+    finally:
+        pair.Free()
 
 
 def stream_rates(comm, n: int = STREAM_ELEMENTS, repeats: int = 8,
@@ -300,6 +319,8 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--sustained", action="store_true")
     parser.add_argument("--overlap", type=int, default=0,
                         help="bytes of gradient buckets summed beside compute (overlap.py)")
+    parser.add_argument("--pairs", action="store_true",
+                        help="also the collectives over pairs of ranks, all pairs at once")
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
@@ -318,8 +339,11 @@ def worker(argv: list[str]) -> None:
         if comm.Get_size() < 2:
             raise SystemExit("collectives need two or more ranks")
         sent: list[float] = []
-        result["samples"] = [s.__dict__ for s in collective_times(comm, messages,
-                                                                  args.comm_repeats, sent)]
+        samples = collective_times(comm, messages, args.comm_repeats, sent)
+        if args.pairs:  # the ping-pong too, with every pair at it
+            samples = [s for s in samples if s.op != "p2p"] + \
+                pair_times(comm, messages, args.comm_repeats, sent)
+        result["samples"] = [s.__dict__ for s in samples]
         result["sent_bytes"] = sum(sent)
     if args.overlap:
         from hpctrain.plan.overlap import overlap_times
@@ -405,7 +429,8 @@ def memory_gib() -> float:
 
 def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
                repeats: tuple[int, int], timeout: float, *, stream: bool = False,
-               sustained: bool = False, command=None, overlap: int = 0) -> dict:
+               sustained: bool = False, command=None, overlap: int = 0,
+               pairs: bool = False) -> dict:
     """One MPI job of ``ranks`` ranks; its progress goes to stderr as it runs, its
     result comes back. A failure or a timeout is a ClickException with the command.
     ``command(ranks, argv)``: the launch command of ``argv`` (default ``launcher -n
@@ -416,6 +441,7 @@ def run_worker(launcher: str, ranks: int, threads: int, sizes, messages,
             "--gemm-repeats", str(repeats[0]), "--comm-repeats", str(repeats[1])]
     argv += (["--stream"] if stream else []) + (["--sustained"] if sustained else [])
     argv += ["--overlap", str(overlap)] if overlap else []
+    argv += ["--pairs"] if pairs else []
     cmd = command(ranks, argv) if command else [launcher, "-n", str(ranks), *argv]
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}

@@ -17,7 +17,12 @@ the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
   its nodes alike);
 * **the links between nodes**: all-reduce, all-gather, reduce-scatter over p = 2 and
   p = ``NODES`` ranks, one a node, and a ping-pong between nodes 0 and 1, fitted per
-  op by ``calibrate.fit_pieces``. The switch port of node 0 counts what the node sent;
+  op by ``calibrate.fit_pieces``. With an even number of nodes, 4 or more, p = 2 and
+  the ping-pong are timed in pairs of nodes, every pair at once (``calibrate.
+  pair_times``), as a layout's groups of two run beside each other: on 4 half-core
+  nodes two nodes timed alone, the other two idle, took 2-3 times as long at 1-256 KiB
+  (an all-reduce of 1 KiB 161 against 56 us, of 256 KiB 4.2 against 2.2 ms) and about
+  as long from 1 MiB on. The switch port of node 0 counts what the node sent;
   a job whose count is below ``MIN_ON_LINK`` of what the ring model says rank 0 sent
   did not go over the link (UCX chose shared memory), and is an error;
 * **the CPU a byte costs** (``comm_cpu_s_per_byte``): the two largest messages again
@@ -185,17 +190,19 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
             return c.mpiexec_command(argv, ranks_per_node=1, ranks=ranks, mpiexec=mpiexec)
 
         node0 = spec.nodes[0]
-        for ranks in sorted({nodes, 2}, reverse=True):
+        pairs = nodes >= 4 and nodes % 2 == 0  # p = 2 timed in pairs, every node busy
+        for ranks in [nodes] if pairs else sorted({nodes, 2}, reverse=True):
             first = ranks == nodes
             click.echo(f"== {ranks} node(s), one rank each: "
-                       + ("GEMM, stream and collectives" if first else "collectives"), err=True)
+                       + ("GEMM, stream and collectives" if first else "collectives")
+                       + (", the collectives also in pairs" if pairs else ""), err=True)
             t0 = time.perf_counter()
             before = net.link_bytes(spec, node0)[0]
             result = cal.run_worker(mpiexec, ranks, 1, settings.sizes if first else (),
                                     settings.messages,
                                     (settings.gemm_repeats, settings.comm_repeats), timeout,
                                     stream=first, sustained=True, command=command,
-                                    overlap=overlap_bytes if first else 0)
+                                    overlap=overlap_bytes if first else 0, pairs=pairs)
             on_link.append((ranks, result["sent_bytes"],
                             net.link_bytes(spec, node0)[0] - before))
             if first:

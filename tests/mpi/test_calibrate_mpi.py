@@ -28,3 +28,26 @@ def test_every_op_and_size_has_one_positive_time_the_same_on_every_rank(comm):
     ok &= all(s.seconds > 0 and s.p == (2 if s.op == "p2p" else p) for s in samples)
     assert_all(comm, ok, "collective samples")
     assert_all(comm, comm.allgather(samples) == [samples] * p, "same on every rank")
+
+
+@pytest.mark.mpi
+def test_pairs_time_every_op_at_p_2_on_every_pair_at_once(comm):
+    """``pair_times``: at an even world of 4 or more, a p = 2 sample per op and size, the
+    same on both ranks of rank 0's pair, and every rank sent its pair's bytes (all pairs
+    ran); elsewhere a clear error on every rank, before any collective."""
+    from hpctrain.plan.calibrate import pair_times
+
+    p = comm.Get_size()
+    if p < 4 or p % 2:
+        with pytest.raises(ValueError, match=rf"pairs need an even number of ranks, 4 or "
+                                             rf"more \(got {p}\)"):
+            pair_times(comm, [1024], repeats=1)
+        return
+    sent: list[float] = []
+    samples = pair_times(comm, [1024, 16384], repeats=2, sent=sent)
+    ok = [(s.op, s.p) for s in samples] == [(op, 2) for op in cl.OPS for _ in (1024, 16384)]
+    ok &= all(s.seconds > 0 for s in samples)
+    ok &= bool(sent) and min(sent) > 0
+    assert_all(comm, ok, "pair samples")
+    mine = comm.allgather(samples)
+    assert_all(comm, mine[0] == mine[1], "the same on both ranks of rank 0's pair")
