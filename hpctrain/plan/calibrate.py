@@ -231,17 +231,19 @@ def _collective(comm, op: str, nbytes: int):
 
 
 def collective_times(comm, messages: list[int], repeats: int,
-                     sent: list[float] | None = None, quiet: bool = False) -> list[Sample]:
-    """Seconds of each op on each message size over ``comm`` (see the module): the
-    median over ``repeats`` of the slowest rank's mean over a batch; no ping-pong on one
-    rank. ``sent``: a list this rank's bytes sent by the ring model (``cluster.volume``)
-    over every call made is appended to (what the link must have carried at least).
-    ``quiet``: no progress lines (another group prints them). Collective."""
+                     sent: list[float] | None = None, quiet: bool = False,
+                     ops: tuple[str, ...] = cl.OPS) -> list[Sample]:
+    """Seconds of each of ``ops`` on each message size over ``comm`` (see the module):
+    the median over ``repeats`` of the slowest rank's mean over a batch; no ping-pong
+    on one rank. ``sent``: a list this rank's bytes sent by the ring model
+    (``cluster.volume``) over every call made is appended to (what the link must have
+    carried at least). ``quiet``: no progress lines (another group prints them).
+    Collective."""
     from mpi4py import MPI
 
     p = comm.Get_size()
     samples = []
-    for op in [op for op in cl.OPS if p > 1 or op != "p2p"]:
+    for op in [op for op in ops if p > 1 or op != "p2p"]:
         for nbytes in messages:
             call, moved = _collective(comm, op, nbytes)
             batch = max(1, min(1000, COMM_BATCH_BYTES // moved))
@@ -339,10 +341,11 @@ def worker(argv: list[str]) -> None:
         if comm.Get_size() < 2:
             raise SystemExit("collectives need two or more ranks")
         sent: list[float] = []
-        samples = collective_times(comm, messages, args.comm_repeats, sent)
-        if args.pairs:  # the ping-pong too, with every pair at it
-            samples = [s for s in samples if s.op != "p2p"] + \
-                pair_times(comm, messages, args.comm_repeats, sent)
+        # with pairs, the ping-pong is timed in the pairs, every pair at it
+        ops = tuple(op for op in cl.OPS if op != "p2p") if args.pairs else cl.OPS
+        samples = collective_times(comm, messages, args.comm_repeats, sent, ops=ops)
+        if args.pairs:
+            samples += pair_times(comm, messages, args.comm_repeats, sent)
         result["samples"] = [s.__dict__ for s in samples]
         result["sent_bytes"] = sum(sent)
     if args.overlap:

@@ -19,8 +19,8 @@ cluster; ``configs/clusters/`` holds examples)::
     stream = { 1 = 8.0e9, 2 = 5.0e9 }
     # optional: the share of a data-parallel sum's time that runs hidden under the
     # backward's compute (1, the default: all it can; 0: none, the sum's progress and
-    # its TCP work take the cores the backward computes on). Not calibrated: read it
-    # from a data-parallel step's breakdown (hpctrain bench: compute and exposed dp)
+    # its TCP work take the cores the backward computes on). `calibrate --emulated`
+    # measures it: gradient buckets summed beside a loop of products (overlap.py)
     comm_overlap = 1.0
     # optional: seconds of a node's core per byte a rank sends in a collective across
     # nodes (copies and the TCP stack; 0, the default, for RDMA adapters that move the
