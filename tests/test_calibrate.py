@@ -15,6 +15,7 @@ from hpctrain.plan.calibrate import (
     core_count,
     fit_link,
     fit_pieces,
+    last_cache_bytes,
 )
 
 
@@ -174,3 +175,11 @@ def test_pieces_by_hand_three_sizes():
     # through (1 MiB, 1 ms) and (64 MiB, 256 ms): slope 0.255 s / 63 MiB
     assert 1 / second.bandwidth_Bps == pytest.approx(0.255 / (63 * mib))
     assert second.latency_s == pytest.approx(1e-3 - mib * 0.255 / (63 * mib))
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_cache_bytes(tmp_path) == 32 << 20
+    assert last_cache_bytes(tmp_path / "absent", default=123) == 123

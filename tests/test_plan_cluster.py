@@ -134,3 +134,35 @@ def test_the_roofline_kind_reads_and_bounds_small_products():
     raw["kinds"][0].pop("gemm_efficiency")
     with pytest.raises(cl.ClusterError, match="missing field 'gemm_efficiency'"):
         cl.from_dict(raw)
+
+
+def test_the_cached_table_reads_round_trips_and_rates_only_cached_products():
+    raw = broken(lambda r: r["kinds"][0].update(gemm_cached={"1": [[128, 9e10], [512, 1.6e11]]}))
+    c = cl.from_dict(raw)
+    kind = c.kinds["cpu"]
+    assert kind.gemm_cached == {1: ((128, 9e10), (512, 1.6e11))}
+    assert kind.gemm_rate(1, 128, 128, 128, cached=True) == pytest.approx(9e10)
+    assert kind.gemm_rate(1, 128, 128, 128) == pytest.approx(6e10)  # from memory: gemm
+    assert cl.from_dict(tomllib.loads(cl.to_toml(c))) == c
+    plain = cl.from_dict(valid()).kinds["cpu"]  # no cached table: gemm for both
+    assert plain.gemm_cached is None
+    assert plain.gemm_rate(1, 128, 128, 128, cached=True) == pytest.approx(6e10)
+    assert "gemm_cached" not in cl.to_toml(cl.from_dict(valid()))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda r: r["kinds"][0].update(gemm_cached=[]),
+     "kinds[0].gemm_cached must be a table: ranks per node -> [[n, FLOP/s], ...]"),
+    (lambda r: r["kinds"][0].update(gemm_cached={"1": [[128, -5e10]]}),
+     "kinds[0].gemm_cached.1[0][1] (-50000000000.0) must be positive"),
+    (lambda r: r["kinds"][0].update(gemm_cached={"x": [[128, 5e10]]}),
+     "kinds[0].gemm_cached key 'x' must be a ranks-per-node count"),
+    (lambda r: (r["kinds"][0].pop("gemm"),
+                r["kinds"][0].update(peak_flops=1e12, gemm_efficiency=0.8,
+                                     gemm_cached={"1": [[128, 5e10]]})),
+     "kinds[0]: gemm_cached goes with a gemm table, not with peak_flops"),
+])
+def test_a_bad_cached_table_is_named(edit, message):
+    with pytest.raises(cl.ClusterError) as err:
+        cl.from_dict(broken(edit))
+    assert message in str(err.value)

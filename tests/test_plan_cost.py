@@ -383,3 +383,19 @@ def test_sequence_parallel_prices_the_copies_of_its_collectives(kernels):
         cost.embed_stream_bytes(m, b, tp, s)[0] == 2 * s * n * c
     assert cost.head_stream_bytes(m, b, tp, kernels, s, True)[1] - \
         cost.head_stream_bytes(m, b, tp, kernels, s)[1] == 2 * s * n * c
+
+
+def test_attentions_products_take_the_cached_rate_and_the_layers_the_other():
+    """A cached table twice as fast halves the per-head products' time and leaves the
+    Linear layers' alone."""
+    c = cluster()
+    kind = c.kinds["cpu"]
+    fast = type(kind)(**{**kind.__dict__,
+                         "gemm_cached": {r: tuple((n, 2 * v) for n, v in t)
+                                         for r, t in kind.gemm.items()}})
+    m = make().model
+    attn, attn_fast = (cost.attention_forward_s(m, k, 1, 2, 1) for k in (kind, fast))
+    assert attn_fast == pytest.approx(attn / 2)
+    layers, layers_fast = (cost.block_forward_s(m, k, 1, 2, 1) - a
+                           for k, a in ((kind, attn), (fast, attn_fast)))
+    assert layers_fast == pytest.approx(layers) and layers > 0

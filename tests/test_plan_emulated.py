@@ -51,6 +51,11 @@ def test_the_description_has_one_core_nodes_and_the_fitted_inter_links():
     assert len(report) == 4 + len(measured().samples)  # a head line per op, a line per sample
     back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c)))
     assert back.kinds["node"].gemm == kind.gemm and back.nodes == (("node", 4),)
+    assert kind.gemm_cached is None  # none measured: none described
+    cached = emulated.Measured(**{**measured().__dict__,
+                                  "gemm_cached": {64: [3e10, 1e10, 2e10, 6e10]}})
+    kind = emulated.describe(cached)[0].kinds["node"]
+    assert kind.gemm_cached == {1: ((64, 2.5e10),)}
 
 
 def test_traffic_that_missed_the_link_is_an_error():

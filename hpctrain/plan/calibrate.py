@@ -6,8 +6,11 @@ Three measurements, each in its own MPI job that this command launches
 
 * **GEMM**, for each ranks-per-node count r: r ranks at once, each with ``cores // r``
   BLAS threads, time float32 ``(n, n) @ (n, n)`` products (a warm-up, then the best
-  of ``repeats`` batches, all ranks starting together). A rank's rate is
-  ``2 n^3 / t``; the table keeps the median over ranks for each n.
+  of ``repeats`` batches, all ranks starting together), twice: cycling through
+  operands that fill twice the last-level cache, so that they come from memory as a
+  layer's weights do in a training step (``gemm``), and one product repeated, its
+  operands in the caches (``gemm_cached``: attention's per-head products). A rank's
+  rate is ``2 n^3 / t``; the table keeps the median over ranks for each n.
 * **Collectives inside the node**, over p = 2 ranks (and p = cores if larger):
   ``Allreduce``, ``Allgather``, ``Reduce_scatter_block`` and a ``Send``/``Recv``
   ping-pong between ranks 0 and 1 (one way: half the round trip), on float32 buffers.
@@ -164,30 +167,64 @@ def _progress(comm, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def gemm_rates(comm, sizes: list[int], repeats: int,
-               sustained: bool = False) -> dict[int, list[float]]:
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_cache_bytes(root: Path = CACHE_DIR, default: int = 32 * MiB) -> int:
+    """The largest CPU cache of this machine (its last level), from sysfs; ``default``
+    where sysfs does not say."""
+    sizes = []
+    for path in root.glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=default)
+
+
+def gemm_rates(comm, sizes: list[int], repeats: int, sustained: bool = False,
+               pool_bytes: int | None = None) -> dict[int, list[float]]:
     """Each rank's float32 ``n x n x n`` FLOP/s for every n, all ranks at once; a dict
     n -> [rate of rank 0, rank 1, ...] on every rank. Collective over ``comm``.
 
     A sample is a batch of about ``GEMM_BATCH_FLOP`` and a rank's rate its best sample;
     ``sustained``: batches of ``SUSTAINED_FLOP`` and the median sample, the rate of a
     rank that shares its core (a CPU quota or another node on the core lets one short
-    batch run at full speed, ``DEVELOPERS.md``)."""
+    batch run at full speed, ``DEVELOPERS.md``).
+
+    The operands come from memory, as a layer's weights do in a training step (last
+    touched a whole pass before): a batch cycles through as many operand sets as fill
+    ``pool_bytes`` (default: twice the last-level cache, shared by the node's ranks);
+    ``pool_bytes=0``: one set, repeated in the caches. Small products run slower from
+    memory (n = 128: 69 against 96 GFLOP/s on one core here), large ones alike
+    (``DEVELOPERS.md``)."""
+    if pool_bytes is None:
+        from mpi4py import MPI
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        pool_bytes = 2 * last_cache_bytes() // local.Get_size()
+        local.Free()
     out = {}
     for n in sizes:
         rng = np.random.default_rng(comm.Get_rank())
-        a = rng.standard_normal((n, n), dtype=np.float32)
-        b = rng.standard_normal((n, n), dtype=np.float32)
-        c = np.empty((n, n), np.float32)
+        sets = max(1, -(-pool_bytes // (3 * 4 * n * n)))
+        operands = [(rng.standard_normal((n, n), dtype=np.float32),
+                     rng.standard_normal((n, n), dtype=np.float32),
+                     np.empty((n, n), np.float32)) for _ in range(sets)]
         flop = SUSTAINED_FLOP if sustained else GEMM_BATCH_FLOP
         batch = max(1, int(flop / (2.0 * n**3)))
-        np.matmul(a, b, out=c)  # warm-up: BLAS threads started, pages touched
-        times = []
+        for a, b, c in operands:  # warm-up: BLAS threads started, pages touched
+            np.matmul(a, b, out=c)
+        times, i = [], 0
         for _ in range(repeats):
             comm.Barrier()
             t0 = time.perf_counter()
-            for _ in range(batch):
+            for _ in range(batch):  # on through the sets: a sample starts where one ended
+                a, b, c = operands[i]
                 np.matmul(a, b, out=c)
+                i = (i + 1) % sets
             times.append((time.perf_counter() - t0) / batch)
         best = statistics.median(times) if sustained else min(times)
         rates = np.empty(comm.Get_size())
@@ -195,7 +232,7 @@ def gemm_rates(comm, sizes: list[int], repeats: int,
         out[n] = rates.tolist()
         _progress(comm, f"  gemm  {comm.Get_size()} rank(s)  n = {n:5d}: "
                         + ", ".join(f"{r / 1e9:.1f}" for r in rates) + " GFLOP/s per rank")
-        del a, b, c
+        del operands
     comm.Barrier()
     return out
 
@@ -335,6 +372,8 @@ def worker(argv: list[str]) -> None:
     result = {"ranks": comm.Get_size(), "threads": args.threads, "gemm": {}, "samples": []}
     if ints:
         result["gemm"] = gemm_rates(comm, ints, args.gemm_repeats, args.sustained)
+        result["gemm_cached"] = gemm_rates(comm, ints, args.gemm_repeats, args.sustained,
+                                           pool_bytes=0)
     if args.stream:
         result["stream"] = stream_rates(comm, sustained=args.sustained)
     if messages:
@@ -500,7 +539,9 @@ def header(command: str, how: str, load: str) -> str:
         f"#   {command}",
         f"#   ({how})",
         f"# /proc/loadavg before measuring: {load}",
-        "# GEMM: float32 n x n x n, each rank's FLOP/s (median over ranks, best of repeats)",
+        "# GEMM: float32 n x n x n, each rank's FLOP/s (median over ranks, best of repeats); "
+        "gemm: operands\n# from memory (cycled through twice the last-level cache), "
+        "gemm_cached: one product repeated",
         "# links: least-squares alpha-beta fits (relative error) of MPI collectives", "", ""])
 
 
@@ -532,8 +573,9 @@ class Settings:
 
 def measure(plan: Settings, launcher: str, timeout: float):
     """Run the MPI jobs: one per rank count (GEMM and collectives share a job when both
-    use it). Returns ``{ranks: ((n, median FLOP/s), ...)}`` and the collective samples."""
-    gemm, samples = {}, []
+    use it). Returns the GEMM tables ``{ranks: ((n, median FLOP/s), ...)}`` with the
+    operands from memory and in the caches, and the collective samples."""
+    gemm, cached, samples = {}, {}, []
     for ranks in sorted(set(plan.ranks_per_node) | set(plan.comm_ranks)):
         do_gemm, do_comm = ranks in plan.ranks_per_node, ranks in plan.comm_ranks
         threads = max(1, plan.cores // ranks)
@@ -544,19 +586,25 @@ def measure(plan: Settings, launcher: str, timeout: float):
                             plan.messages if do_comm else (),
                             (plan.gemm_repeats, plan.comm_repeats), timeout)
         if do_gemm:
-            gemm[ranks] = tuple(sorted((int(n), statistics.median(rates))
-                                       for n, rates in result["gemm"].items()))
+            gemm[ranks], cached[ranks] = (
+                tuple(sorted((int(n), statistics.median(rates))
+                             for n, rates in result[key].items()))
+                for key in ("gemm", "gemm_cached"))
         samples += [Sample(**s) for s in result["samples"]]
         click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
-    return gemm, samples
+    return gemm, cached, samples
 
 
 def summary(c: cl.Cluster, path: str) -> str:
     kind = next(iter(c.kinds.values()))
-    lines = ["", "GEMM, GFLOP/s per rank (median over ranks), by n:"]
+    lines = ["", "GEMM, GFLOP/s per rank (median over ranks), by n, operands from memory "
+             "(operands in the caches):"]
     for ranks, table in sorted(kind.gemm.items()):
+        cached = dict((kind.gemm_cached or {}).get(ranks, ()))
         lines.append(f"  {ranks} rank(s)/node: "
-                     + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in table))
+                     + ", ".join(f"{n}: {r / 1e9:.1f}"
+                                 + (f" ({cached[n] / 1e9:.1f})" if n in cached else "")
+                                 for n, r in table))
     lines.append("links (intra; inter = intra, one node measured):")
     for op, link in c.links["intra"].items():
         lines.append(f"  {op:14s} {describe_link(link)}")
@@ -655,7 +703,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     load = Path("/proc/loadavg").read_text().strip()
     click.echo(f"calibrating {socket.gethostname()}: {cores} cores, {memory_gib():.1f} GiB; "
                f"load {load}", err=True)
-    gemm, samples = measure(plan, launcher, timeout)
+    gemm, cached, samples = measure(plan, launcher, timeout)
 
     click.echo("\ncollectives inside the node, measured against fitted:")
     links = {}
@@ -666,7 +714,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
         except ValueError as err:
             raise click.ClickException(str(err)) from None
         click.echo("\n".join(fit_report(op, links[op], mine)))
-    kind = cl.NodeKind("cpu", cores, memory_gib() * 2**30, gemm)
+    kind = cl.NodeKind("cpu", cores, memory_gib() * 2**30, gemm, gemm_cached=cached)
     cluster = cl.Cluster(name or socket.gethostname(), "mpiexec", {"cpu": kind},
                          (("cpu", 1),), {"intra": links, "inter": dict(links)})
     text = header(_command_line(click.get_current_context()), plan.describe(), load)

@@ -12,8 +12,15 @@ cluster; ``configs/clusters/`` holds examples)::
     memory_gib = 24.0
     # a rank's float32 GEMM rate (FLOP/s) on square n x n x n products, with every
     # rank of a node computing at once: one table per ranks-per-node count
+    # with the operands coming from memory, as a layer's weights do (cycled through more
+    # than the caches hold; `calibrate.gemm_rates`)
     gemm = { 1 = [[128, 6.0e10], [512, 1.4e11], [2048, 1.7e11]],
              2 = [[128, 3.5e10], [512, 7.5e10], [2048, 8.5e10]] }
+    # optional: the same with the operands in the caches (one product repeated), the
+    # rate of attention's per-head products, whose operands the product before wrote;
+    # gemm where not given
+    gemm_cached = { 1 = [[128, 9.0e10], [512, 1.6e11], [2048, 1.7e11]],
+                    2 = [[128, 4.5e10], [512, 8.0e10], [2048, 8.5e10]] }
     # optional: a rank's rate of memory-bound element-wise work (bytes read + written a
     # second), per ranks-per-node count, for the non-GEMM part of a step
     stream = { 1 = 8.0e9, 2 = 5.0e9 }
@@ -139,6 +146,8 @@ class NodeKind:
     # ranks per node -> ((n, FLOP/s per rank), ...) ascending in n; empty with peak_flops
     gemm: dict[int, tuple[tuple[int, float], ...]]
     stream: dict[int, float] | None = None  # ranks per node -> bytes/s per rank
+    # the products with their operands in the caches, as ``gemm``; None: ``gemm``
+    gemm_cached: dict[int, tuple[tuple[int, float], ...]] | None = None
     peak_flops: float | None = None  # a device's published peak (the roofline form)
     gemm_efficiency: float | None = None  # the share of it large products reach
     gemm_bytes: int = 2  # bytes an operand element, for the roofline's memory bound
@@ -160,12 +169,15 @@ class NodeKind:
         counts = sorted(self.stream)
         return self.stream[next((c for c in counts if c >= ranks_per_node), counts[-1])]
 
-    def gemm_rate(self, ranks_per_node: int, m: int, n: int, k: int) -> float:
+    def gemm_rate(self, ranks_per_node: int, m: int, n: int, k: int,
+                  cached: bool = False) -> float:
         """A rank's FLOP/s on an (m, k) @ (k, n) product, interpolated in log size
         between the measured square products (by the geometric mean side), flat beyond
         them; the table of the nearest measured ranks-per-node count at or above.
-        Roofline form (``peak_flops``): ``peak * efficiency``, or slower when moving the
-        three operands at the stream rate takes longer than the products."""
+        ``cached``: a product whose operands are in the caches (``gemm_cached``, where
+        the kind has it). Roofline form (``peak_flops``): ``peak * efficiency``, or
+        slower when moving the three operands at the stream rate takes longer than the
+        products."""
         if self.peak_flops:
             flops = 2.0 * m * n * k
             t = flops / (self.peak_flops * self.gemm_efficiency)
@@ -173,9 +185,10 @@ class NodeKind:
             if stream:
                 t = max(t, self.gemm_bytes * (m * k + k * n + m * n) / stream)
             return flops / t
-        counts = sorted(self.gemm)
+        tables = self.gemm_cached if cached and self.gemm_cached else self.gemm
+        counts = sorted(tables)
         use = next((c for c in counts if c >= ranks_per_node), counts[-1])
-        table = self.gemm[use]
+        table = tables[use]
         side = (max(m, 1) * max(n, 1) * max(k, 1)) ** (1.0 / 3.0)
         if side <= table[0][0]:
             return table[0][1] * side / table[0][0]  # small products: latency-bound
@@ -233,7 +246,7 @@ def _known(table: dict, keys: tuple[str, ...], where: str) -> None:
 
 def _kind(raw: dict, i: int) -> NodeKind:
     where = f"kinds[{i}]"
-    _known(raw, ("name", "cores", "memory_gib", "gemm", "stream", "peak_flops",
+    _known(raw, ("name", "cores", "memory_gib", "gemm", "gemm_cached", "stream", "peak_flops",
                  "gemm_efficiency", "gemm_bytes", "comm_overlap", "comm_cpu_s_per_byte"),
            where)
     name = str(_field(raw, "name", where))
@@ -245,24 +258,12 @@ def _kind(raw: dict, i: int) -> NodeKind:
     if roof and "gemm" in raw:
         raise ClusterError(f"{where}: give a gemm table or peak_flops with gemm_efficiency, "
                            f"not both")
-    gemm_raw = {} if roof else _field(raw, "gemm", where)
-    if not roof and (not isinstance(gemm_raw, dict) or not gemm_raw):
-        raise ClusterError(f"{where}.gemm must be a table: ranks per node -> [[n, FLOP/s], ...]")
-    gemm = {}
-    for key, rows in gemm_raw.items():
-        try:
-            ranks = int(key)
-        except ValueError:
-            raise ClusterError(f"{where}.gemm key {key!r} must be a ranks-per-node count") from None
-        if not isinstance(rows, list) or not rows:
-            raise ClusterError(f"{where}.gemm.{key} must list [n, FLOP/s] pairs")
-        table = []
-        for j, row in enumerate(rows):
-            if not isinstance(row, list) or len(row) != 2:
-                raise ClusterError(f"{where}.gemm.{key}[{j}] ({row!r}) must be [n, FLOP/s]")
-            table.append((int(_number(f"{where}.gemm.{key}[{j}][0]", row[0])),
-                          _number(f"{where}.gemm.{key}[{j}][1]", row[1])))
-        gemm[ranks] = tuple(sorted(table))
+    if roof and "gemm_cached" in raw:
+        raise ClusterError(f"{where}: gemm_cached goes with a gemm table, not with "
+                           f"peak_flops")
+    gemm = {} if roof else _gemm_table(_field(raw, "gemm", where), f"{where}.gemm")
+    cached = _gemm_table(raw["gemm_cached"], f"{where}.gemm_cached") \
+        if "gemm_cached" in raw else None
     stream = None
     if "stream" in raw:
         if not isinstance(raw["stream"], dict) or not raw["stream"]:
@@ -276,8 +277,30 @@ def _kind(raw: dict, i: int) -> NodeKind:
                   positive=False)
     if cpu < 0:
         raise ClusterError(f"{where}.comm_cpu_s_per_byte ({cpu!r}) must be 0 or more")
-    return NodeKind(name, cores, memory, gemm, stream, **roof, comm_overlap=float(overlap),
-                    comm_cpu_s_per_byte=cpu)
+    return NodeKind(name, cores, memory, gemm, stream, cached, **roof,
+                    comm_overlap=float(overlap), comm_cpu_s_per_byte=cpu)
+
+
+def _gemm_table(raw, where: str) -> dict[int, tuple[tuple[int, float], ...]]:
+    """A GEMM table: ranks per node -> ((n, FLOP/s), ...) ascending in n."""
+    if not isinstance(raw, dict) or not raw:
+        raise ClusterError(f"{where} must be a table: ranks per node -> [[n, FLOP/s], ...]")
+    gemm = {}
+    for key, rows in raw.items():
+        try:
+            ranks = int(key)
+        except ValueError:
+            raise ClusterError(f"{where} key {key!r} must be a ranks-per-node count") from None
+        if not isinstance(rows, list) or not rows:
+            raise ClusterError(f"{where}.{key} must list [n, FLOP/s] pairs")
+        table = []
+        for j, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) != 2:
+                raise ClusterError(f"{where}.{key}[{j}] ({row!r}) must be [n, FLOP/s]")
+            table.append((int(_number(f"{where}.{key}[{j}][0]", row[0])),
+                          _number(f"{where}.{key}[{j}][1]", row[1])))
+        gemm[ranks] = tuple(sorted(table))
+    return gemm
 
 
 def _roofline(raw: dict, where: str) -> dict:
@@ -401,9 +424,12 @@ def to_toml(c: Cluster) -> str:
             lines += [f"peak_flops = {k.peak_flops:.4e}",
                       f"gemm_efficiency = {k.gemm_efficiency}", f"gemm_bytes = {k.gemm_bytes}"]
         else:
-            gemm = ", ".join(f"{r} = [{', '.join(f'[{n}, {rate:.4e}]' for n, rate in rows)}]"
-                             for r, rows in sorted(k.gemm.items()))
-            lines.append(f"gemm = {{ {gemm} }}")
+            for field, tables in (("gemm", k.gemm), ("gemm_cached", k.gemm_cached)):
+                if tables:
+                    text = ", ".join(
+                        f"{r} = [{', '.join(f'[{n}, {rate:.4e}]' for n, rate in rows)}]"
+                        for r, rows in sorted(tables.items()))
+                    lines.append(f"{field} = {{ {text} }}")
         if k.stream:
             lines.append("stream = { " + ", ".join(f"{r} = {v:.4e}" for r, v in
                                                    sorted(k.stream.items())) + " }")

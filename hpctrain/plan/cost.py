@@ -11,9 +11,11 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
 
 * compute: the GEMMs of ``GPT.model_flops`` at the cluster's rate for their shapes
   (``NodeKind.gemm_rate``), split by tp (qkv, attention projection, MLP, the
-  per-head ``T x T`` products, the head); backward twice the forward's FLOPs at the
-  same rates; element-wise passes (LayerNorm, GELU, softmax, residuals, the loss)
-  as bytes at ``stream_rate``, or left out when the cluster gives none (a note says so);
+  per-head ``T x T`` products, the head; the per-head products at the rate of
+  operands in the caches, ``gemm_cached``, the others from memory); backward twice
+  the forward's FLOPs at the same rates; element-wise passes (LayerNorm, GELU,
+  softmax, residuals, the loss) as bytes at ``stream_rate``, or left out when the
+  cluster gives none (a note says so);
 * tensor parallelism: per block two all-reduces of (b, T, C) forward and two
   backward, one at the embedding and one at the head (``tp_comm_bytes``); with
   sequence parallelism an all-gather plus a reduce-scatter of the whole instead; on
@@ -184,21 +186,23 @@ class Estimate:
 # compute
 
 
-def _gemm(kind: NodeKind, rpn: int, m: int, n: int, k: int, count: int = 1) -> float:
-    return count * 2.0 * m * n * k / kind.gemm_rate(rpn, m, n, k)
+def _gemm(kind: NodeKind, rpn: int, m: int, n: int, k: int, count: int = 1,
+          cached: bool = False) -> float:
+    return count * 2.0 * m * n * k / kind.gemm_rate(rpn, m, n, k, cached)
 
 
 def attention_forward_s(m: ModelConfig, kind: NodeKind, rpn: int, b: int, tp: int,
                         causal: bool = True) -> float:
     """GEMM seconds of one block's per-head products (S = q k^T, P v): with ``causal``
     as ``nn/attention.py`` runs them, by blocks of query rows each over the keys it
-    sees; else whole ``T x T`` (Megatron's kernels)."""
+    sees; else whole ``T x T`` (Megatron's kernels). At the rate of products whose
+    operands are in the caches: the q, k, v product just wrote them."""
     from hpctrain.nn.attention import _query_blocks
 
     count = 2 * b * m.n_head // tp
     if not causal:
-        return _gemm(kind, rpn, m.seq_len, m.seq_len, m.head_dim, count)
-    return sum(_gemm(kind, rpn, i1 - i0, i1, m.head_dim, count)
+        return _gemm(kind, rpn, m.seq_len, m.seq_len, m.head_dim, count, cached=True)
+    return sum(_gemm(kind, rpn, i1 - i0, i1, m.head_dim, count, cached=True)
                for i0, i1 in _query_blocks(m.seq_len))
 
 

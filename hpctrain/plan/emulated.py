@@ -7,8 +7,9 @@ the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
 ``cluster/launch.py``), and removes the cluster, pass or fail:
 
 * **the node kind**, with every node computing at once (``NODES`` ranks, one BLAS
-  thread each): the GEMM table and the element-wise (stream) rate of one rank,
-  sustained (samples of about 0.2 s, their median: ``calibrate.gemm_rates``). Nodes
+  thread each): the GEMM tables (operands from memory and in the caches) and the
+  element-wise (stream) rate of one rank, sustained (samples of about 0.2 s, their
+  median: ``calibrate.gemm_rates``). Nodes
   beyond this machine's cores share them (``cpuset`` pins node k to core k mod
   cores) and each is capped at its share (``node_share``: the CFS quota, half a core
   for 4 nodes on 2 cores), so a node measures what it has while its peers compute,
@@ -92,16 +93,19 @@ class Measured:
     memory_bytes: float  # this machine's memory
     unshaped: tuple = ()  # the collectives again on links too fast to bound them (Samples)
     overlap: dict | None = None  # overlap.overlap_times over every node, shaped links
+    gemm_cached: dict[int, list[float]] | None = None  # as gemm, operands in the caches
 
 
 def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str]]:
     """The description (one node kind, ``m.nodes`` nodes, fitted inter links copied to
     intra) and the fit report's lines. Pure."""
     gemm = {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm.items()))}
+    cached = None if m.gemm_cached is None else \
+        {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm_cached.items()))}
     cpu = cpu_per_byte(list(m.unshaped))
     hidden = 1.0 if m.overlap is None else overlap.hidden_share(m.overlap, cpu)
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
-                       {1: statistics.median(m.stream)}, comm_overlap=hidden,
+                       {1: statistics.median(m.stream)}, cached, comm_overlap=hidden,
                        comm_cpu_s_per_byte=cpu)
     links, report = {}, []
     for op in cl.OPS:
@@ -184,7 +188,7 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
 
     spec = spec_mod.uniform(nodes, cores=1, cpu_share=node_share(nodes, cal.core_count()),
                             link=link, name=NAME, subnet=SUBNET)
-    gemm, stream, samples, on_link, overlapped = {}, [], [], [], None
+    gemm, cached, stream, samples, on_link, overlapped = {}, {}, [], [], [], None
     with lifecycle.running(spec, log=lambda text: click.echo(text, err=True)) as c:
         def command(ranks, argv):
             return c.mpiexec_command(argv, ranks_per_node=1, ranks=ranks, mpiexec=mpiexec)
@@ -207,6 +211,7 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
                             net.link_bytes(spec, node0)[0] - before))
             if first:
                 gemm = {int(n): r for n, r in result["gemm"].items()}
+                cached = {int(n): r for n, r in result["gemm_cached"].items()}
                 stream = result["stream"]
                 overlapped = result.get("overlap")
             samples += [cal.Sample(**s) for s in result["samples"]]
@@ -224,7 +229,7 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
         unshaped = tuple(cal.Sample(**s) for s in result["samples"])
         click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
     return Measured(nodes, link, gemm, stream, samples, on_link, cal.memory_gib() * 2**30,
-                    unshaped, overlapped)
+                    unshaped, overlapped, cached)
 
 
 def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec: str,
@@ -270,8 +275,12 @@ def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec:
     except cl.ClusterError as err:
         raise click.ClickException(f"{out} was written but does not read back: {err}") from None
     kind = back.kinds["node"]
-    click.echo(f"\nGEMM, GFLOP/s per node with all {nodes} computing: "
-               + ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in kind.gemm[1])
+    cached = dict((kind.gemm_cached or {}).get(1, ()))
+    click.echo(f"\nGEMM, GFLOP/s per node with all {nodes} computing, operands from memory "
+               f"(in the caches): "
+               + ", ".join(f"{n}: {r / 1e9:.1f}"
+                           + (f" ({cached[n] / 1e9:.1f})" if n in cached else "")
+                           for n, r in kind.gemm[1])
                + f"; stream {kind.stream[1] / 1e9:.1f} GB/s")
     click.echo(f"wrote {out} (read back: {back.num_nodes} nodes of 1 core, "
                f"{kind.memory_bytes / 2**30:.1f} GiB each)")

@@ -10,11 +10,13 @@ from hpctrain.testing import assert_all
 
 @pytest.mark.mpi
 def test_every_rank_gets_every_ranks_gemm_rate(comm):
-    rates = gemm_rates(comm, [32, 64], repeats=1)
-    ok = sorted(rates) == [32, 64]
-    ok &= all(len(r) == comm.Get_size() and min(r) > 0 for r in rates.values())
-    assert_all(comm, ok, "GEMM rates")
-    assert_all(comm, comm.allgather(rates) == [rates] * comm.Get_size(), "same on every rank")
+    for pool in (None, 0, 1 << 20):  # the default pool, the caches, a small pool
+        rates = gemm_rates(comm, [32, 64], repeats=1, pool_bytes=pool)
+        ok = sorted(rates) == [32, 64]
+        ok &= all(len(r) == comm.Get_size() and min(r) > 0 for r in rates.values())
+        assert_all(comm, ok, f"GEMM rates, pool {pool}")
+        assert_all(comm, comm.allgather(rates) == [rates] * comm.Get_size(),
+                   "same on every rank")
 
 
 @pytest.mark.mpi
