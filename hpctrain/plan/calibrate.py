@@ -660,8 +660,10 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     """Measure this machine (GEMM rates, MPI collectives) and write its cluster file.
 
     GEMM: for each ranks-per-node count r, r ranks at once, each with cores // r BLAS
-    threads, time float32 n x n x n products; each n keeps the median rank's rate.
-    Collectives: over 2 ranks (and over the core count if larger) all-reduce,
+    threads, time float32 n x n x n products twice, the operands cycled through twice
+    the last-level cache (gemm: a layer's weights, from memory) and one product
+    repeated (gemm_cached: attention's products, in the caches); each n keeps the
+    median rank's rate. Collectives: over 2 ranks (and over the core count if larger) all-reduce,
     all-gather, reduce-scatter and a ping-pong, fitted per op to t = steps(p) latency
     + volume(p, n) / bandwidth (hpctrain/plan/cluster.py). One node is measured: the
     inter-node links are copies of the intra-node ones, and the file says so.
