@@ -13,6 +13,7 @@ from hpctrain.plan.calibrate import (
     Sample,
     calibrate_command,
     core_count,
+    cpu_list,
     fit_link,
     fit_pieces,
     last_cache_bytes,
@@ -178,8 +179,14 @@ def test_pieces_by_hand_three_sizes():
 
 
 def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
-    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+    for index, size, shared in (("index0", "48K", "0"), ("index2", "1024K", "0"),
+                                ("index3", "32768K", "0-7,64-71")):
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
-    assert last_cache_bytes(tmp_path) == 32 << 20
+        (tmp_path / index / "shared_cpu_list").write_text(shared + "\n")
+    assert last_cache_bytes(tmp_path, cpus=16) == 32 << 20  # one cache for all 16
+    assert last_cache_bytes(tmp_path, cpus=128) == 8 * (32 << 20)  # 8 of them, 16 cpus each
+    (tmp_path / "index3" / "shared_cpu_list").unlink()
+    assert last_cache_bytes(tmp_path, cpus=128) == 32 << 20  # sharing unknown: one
     assert last_cache_bytes(tmp_path / "absent", default=123) == 123
+    assert cpu_list("0-3,8-9,12\n") == [0, 1, 2, 3, 8, 9, 12]

@@ -170,18 +170,38 @@ def _progress(comm, text: str) -> None:
 CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
-def last_cache_bytes(root: Path = CACHE_DIR, default: int = 32 * MiB) -> int:
-    """The largest CPU cache of this machine (its last level), from sysfs; ``default``
-    where sysfs does not say."""
-    sizes = []
+def last_cache_bytes(root: Path = CACHE_DIR, default: int = 32 * MiB,
+                     cpus: int | None = None) -> int:
+    """The bytes of last-level cache this machine has in all: the largest cache of
+    cpu0 (sysfs ``index*/size``) times how many of it there are (its
+    ``shared_cpu_list`` against ``cpus``, default all of them); ``default`` where
+    sysfs does not say."""
+    best = None
     for path in root.glob("index*/size"):
         text = path.read_text().strip().upper()
         scale = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
         try:
-            sizes.append(int(text.rstrip("KMG")) * scale)
+            size = int(text.rstrip("KMG")) * scale
         except ValueError:
             continue
-    return max(sizes, default=default)
+        if best is None or size > best[0]:
+            best = (size, path.parent / "shared_cpu_list")
+    if best is None:
+        return default
+    size, shared = best
+    sharing = len(cpu_list(shared.read_text())) if shared.exists() else 0
+    cpus = cpus or os.cpu_count() or 1
+    return size * max(1, cpus // sharing) if sharing else size
+
+
+def cpu_list(text: str) -> list[int]:
+    """The CPUs of a sysfs list such as ``0-3,8-11`` or ``5``."""
+    out = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 def gemm_rates(comm, sizes: list[int], repeats: int, sustained: bool = False,
@@ -196,7 +216,7 @@ def gemm_rates(comm, sizes: list[int], repeats: int, sustained: bool = False,
 
     The operands come from memory, as a layer's weights do in a training step (last
     touched a whole pass before): a batch cycles through as many operand sets as fill
-    ``pool_bytes`` (default: twice the last-level cache, shared by the node's ranks);
+    ``pool_bytes`` (default: twice the node's last-level caches, over its ranks);
     ``pool_bytes=0``: one set, repeated in the caches. Small products run slower from
     memory (n = 128: 69 against 96 GFLOP/s on one core here), large ones alike
     (``DEVELOPERS.md``)."""
