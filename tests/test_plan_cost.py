@@ -2,6 +2,8 @@
 model and hand-computed small cases: parameters and optimizer state by ZeRO stage,
 activation bytes of a real forward, tensor- and data-parallel bytes, the bubble."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -390,9 +392,8 @@ def test_attentions_products_take_the_cached_rate_and_the_layers_the_other():
     Linear layers' alone."""
     c = cluster()
     kind = c.kinds["cpu"]
-    fast = type(kind)(**{**kind.__dict__,
-                         "gemm_cached": {r: tuple((n, 2 * v) for n, v in t)
-                                         for r, t in kind.gemm.items()}})
+    fast = dataclasses.replace(kind, gemm_cached={r: tuple((n, 2 * v) for n, v in t)
+                                                  for r, t in kind.gemm.items()})
     m = make().model
     attn, attn_fast = (cost.attention_forward_s(m, k, 1, 2, 1) for k in (kind, fast))
     assert attn_fast == pytest.approx(attn / 2)

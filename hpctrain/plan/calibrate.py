@@ -204,6 +204,21 @@ def cpu_list(text: str) -> list[int]:
     return out
 
 
+def median_table(rates: dict) -> tuple[tuple[int, float], ...]:
+    """A GEMM table, ``((n, FLOP/s), ...)`` ascending, from ``gemm_rates``' result (n
+    -> every rank's rate, n perhaps a JSON string): each n's median rank."""
+    return tuple(sorted((int(n), statistics.median(r)) for n, r in rates.items()))
+
+
+def gemm_row(table, cached: dict | None = None) -> str:
+    """``n: GFLOP/s`` for every n of a table, each followed by the cached table's rate
+    in parentheses where it has one."""
+    cached = dict(cached or ())
+    return ", ".join(f"{n}: {r / 1e9:.1f}"
+                     + (f" ({cached[n] / 1e9:.1f})" if n in cached else "")
+                     for n, r in table)
+
+
 def gemm_rates(comm, sizes: list[int], repeats: int, sustained: bool = False,
                pool_bytes: int | None = None) -> dict[int, list[float]]:
     """Each rank's float32 ``n x n x n`` FLOP/s for every n, all ranks at once; a dict
@@ -606,10 +621,8 @@ def measure(plan: Settings, launcher: str, timeout: float):
                             plan.messages if do_comm else (),
                             (plan.gemm_repeats, plan.comm_repeats), timeout)
         if do_gemm:
-            gemm[ranks], cached[ranks] = (
-                tuple(sorted((int(n), statistics.median(rates))
-                             for n, rates in result[key].items()))
-                for key in ("gemm", "gemm_cached"))
+            gemm[ranks] = median_table(result["gemm"])
+            cached[ranks] = median_table(result["gemm_cached"])
         samples += [Sample(**s) for s in result["samples"]]
         click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
     return gemm, cached, samples
@@ -620,11 +633,8 @@ def summary(c: cl.Cluster, path: str) -> str:
     lines = ["", "GEMM, GFLOP/s per rank (median over ranks), by n, operands from memory "
              "(operands in the caches):"]
     for ranks, table in sorted(kind.gemm.items()):
-        cached = dict((kind.gemm_cached or {}).get(ranks, ()))
         lines.append(f"  {ranks} rank(s)/node: "
-                     + ", ".join(f"{n}: {r / 1e9:.1f}"
-                                 + (f" ({cached[n] / 1e9:.1f})" if n in cached else "")
-                                 for n, r in table))
+                     + gemm_row(table, (kind.gemm_cached or {}).get(ranks)))
     lines.append("links (intra; inter = intra, one node measured):")
     for op, link in c.links["intra"].items():
         lines.append(f"  {op:14s} {describe_link(link)}")
@@ -683,8 +693,8 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     threads, time float32 n x n x n products twice, the operands cycled through twice
     the last-level cache (gemm: a layer's weights, from memory) and one product
     repeated (gemm_cached: attention's products, in the caches); each n keeps the
-    median rank's rate. Collectives: over 2 ranks (and over the core count if larger) all-reduce,
-    all-gather, reduce-scatter and a ping-pong, fitted per op to t = steps(p) latency
+    median rank's rate. Collectives: over 2 ranks (and over the core count if larger)
+    all-reduce, all-gather, reduce-scatter and a ping-pong, fitted per op to t = steps(p) latency
     + volume(p, n) / bandwidth (hpctrain/plan/cluster.py). One node is measured: the
     inter-node links are copies of the intra-node ones, and the file says so.
     With --emulated, an emulated cluster of one-core nodes is built, measured across

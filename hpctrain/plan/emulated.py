@@ -99,9 +99,8 @@ class Measured:
 def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str]]:
     """The description (one node kind, ``m.nodes`` nodes, fitted inter links copied to
     intra) and the fit report's lines. Pure."""
-    gemm = {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm.items()))}
-    cached = None if m.gemm_cached is None else \
-        {1: tuple(sorted((int(n), statistics.median(r)) for n, r in m.gemm_cached.items()))}
+    gemm = {1: cal.median_table(m.gemm)}
+    cached = None if m.gemm_cached is None else {1: cal.median_table(m.gemm_cached)}
     cpu = cpu_per_byte(list(m.unshaped))
     hidden = 1.0 if m.overlap is None else overlap.hidden_share(m.overlap, cpu)
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
@@ -275,12 +274,8 @@ def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec:
     except cl.ClusterError as err:
         raise click.ClickException(f"{out} was written but does not read back: {err}") from None
     kind = back.kinds["node"]
-    cached = dict((kind.gemm_cached or {}).get(1, ()))
     click.echo(f"\nGEMM, GFLOP/s per node with all {nodes} computing, operands from memory "
-               f"(in the caches): "
-               + ", ".join(f"{n}: {r / 1e9:.1f}"
-                           + (f" ({cached[n] / 1e9:.1f})" if n in cached else "")
-                           for n, r in kind.gemm[1])
+               f"(in the caches): " + cal.gemm_row(kind.gemm[1], (kind.gemm_cached or {}).get(1))
                + f"; stream {kind.stream[1] / 1e9:.1f} GB/s")
     click.echo(f"wrote {out} (read back: {back.num_nodes} nodes of 1 core, "
                f"{kind.memory_bytes / 2**30:.1f} GiB each)")
