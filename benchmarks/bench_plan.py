@@ -36,7 +36,8 @@ keeps, per layout, the load average before and after, the bytes node 0 sent over
 link and the cores each node got.
 ``compare --nodes N`` compares those layouts, serial against the description cut to
 one node. ``published`` prints the predictions for Megatron-LM's published runs
-on A100 nodes against their published teraFLOP/s per GPU (``hpctrain/plan/published.py``;
+on A100 nodes (two studies) against their published teraFLOP/s per GPU
+(``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
 ``--gemm-efficiency`` replaces the description's to show how the table moves with it,
 ``--intra-bandwidth`` the NVLink bandwidth of every collective inside a node).
@@ -403,7 +404,8 @@ def published(cluster_path: str | None, efficiency: float | None,
         cluster = replace(cluster, links={**cluster.links, "intra": intra})
         links = f", intra-node collectives at {intra_bandwidth / 1e9:g} GB/s"
     return (f"Megatron-LM on {cluster.name} ({path}), GEMM efficiency {effs}{links}, one "
-            f"practice for all rows: {pub.MEGATRON}\n" + pub.report(cluster))
+            f"practice for all rows, recomputing what each run did: {pub.MEGATRON}\n"
+            + pub.report(cluster))
 
 
 def two_kinds(fat: int, thin: int, cores: int = 64, memory_gib: float = 512.0):

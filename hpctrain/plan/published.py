@@ -9,17 +9,31 @@ vocabulary of 51,200 and sequences of 2,048, on DGX A100 nodes:
 * Table 2, PTD-P's rows of the comparison with ZeRO-3: the 175B and 530B models at
   three GPU counts each (microbatch 1).
 
-The rows are typed in from the paper (the stored reference text gave the README's
-description of Table 1 but not its numbers). Every row goes through the same
-``cost.estimate`` on the same cluster description (``configs/clusters/a100-selene.toml``)
-with one ``Practice``, ``MEGATRON``: fixed for all rows, nothing fitted per row.
+and a second study on the same hardware, Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models" (2022, arXiv 2205.05198), whose
+abstract gives two runs of the 530B model on 2,240 A100 GPUs: model FLOPs utilization
+54.2% with sequence parallelism and selective recomputation, 42.1% with full
+recomputation. Its layout is the 530B model's of both papers (t 8, p 35, so d 8), with
+the global batch of 2,240 of the first paper's row on those GPUs, microbatch 1.
 
-Published teraFLOP/s are the paper's model FLOPs (its equation 3, with full
+The first paper's rows are typed in from the paper (the stored reference text gave the
+README's description of Table 1 but not its numbers); the second study's figures are
+its abstract's. Every row goes through the same ``cost.estimate`` on the same cluster
+description (``configs/clusters/a100-selene.toml``) with one ``Practice``,
+``MEGATRON``, fixed for all rows, nothing fitted per row; what a run recomputed and
+whether it split the sequence are the run's own (``Row.recompute``,
+``Row.sequence_parallel``), like its layout.
+
+Published teraFLOP/s are the first paper's model FLOPs (its equation 3, with full
 activation recomputation) over the measured time, so the prediction is the same
 count over the predicted time::
 
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))      per step
     predicted TFLOP/s per GPU = F / (predicted step * GPUs)
+
+The second study counts model FLOPs without recomputation, ``72 B s l h^2 (1 + s /
+(6 h) + V / (12 l h))`` (the GPT's own ``model_flops``), as a share of the 312
+TFLOP/s peak; its rows hold that share times the peak (``Row.counts = "model"``).
 
 What the paper does not give per row, taken the same for all: microbatch size 1 (its
 Table 2 and section 3.5: small microbatches for large models); the non-interleaved
@@ -61,7 +75,12 @@ class Row:
     pp: int
     gpus: int
     batch: int
-    tflops: float  # achieved teraFLOP/s per GPU
+    tflops: float  # achieved teraFLOP/s per GPU, counted as ``counts`` says
+    recompute: str = "full"  # what the run recomputed (cost.RECOMPUTE)
+    sequence_parallel: bool = False
+    # "paper": 2104.04473's FLOPs, full recomputation counted (paper_flops); "model":
+    # the model's FLOPs without recomputation (2205.05198's utilisation times the peak)
+    counts: str = "paper"
 
     @property
     def dp(self) -> int:
@@ -69,7 +88,9 @@ class Row:
 
     @property
     def name(self) -> str:
-        return f"{self.billions:g}B t{self.tp} p{self.pp} d{self.dp}"
+        extra = (" sp" if self.sequence_parallel else "") + \
+            ("" if self.recompute == "full" else f" {self.recompute}")
+        return f"{self.billions:g}B t{self.tp} p{self.pp} d{self.dp}{extra}"
 
 
 def _t1(billions, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Row:
@@ -78,6 +99,15 @@ def _t1(billions, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Row:
 
 def _t2(billions, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Row:
     return Row("Table 2", billions, heads, hidden, layers, tp, pp, gpus, batch, tflops)
+
+
+A100_PEAK = 312e12  # dense bf16/fp16 FLOP/s of an A100, the utilisations' denominator
+
+
+def _mfu(billions, heads, hidden, layers, tp, pp, gpus, batch, utilisation, recompute,
+         sequence_parallel) -> Row:
+    return Row("2205.05198", billions, heads, hidden, layers, tp, pp, gpus, batch,
+               utilisation * A100_PEAK / 1e12, recompute, sequence_parallel, "model")
 
 
 ROWS = (
@@ -100,6 +130,10 @@ ROWS = (
     _t2(529.6, 128, 20480, 105, 8, 35, 560, 2240, 171),
     _t2(529.6, 128, 20480, 105, 8, 35, 1120, 2240, 167),
     _t2(529.6, 128, 20480, 105, 8, 35, 2240, 2240, 159),
+    # 2205.05198's abstract: the 530B model on 2,240 GPUs, model FLOPs utilisation with
+    # sequence parallelism and selective recomputation, and with full recomputation
+    _mfu(529.6, 128, 20480, 105, 8, 35, 2240, 2240, 0.542, "selective", True),
+    _mfu(529.6, 128, 20480, 105, 8, 35, 2240, 2240, 0.421, "full", False),
 )
 
 
@@ -115,7 +149,8 @@ def row_config(row: Row, microbatch: int = 1, schedule: str = "1f1b") -> Config:
            "parallel": {"dp": row.dp, "tp": row.tp, "pp": row.pp,
                         "microbatches": row.batch // (row.dp * microbatch),
                         "schedule": schedule if row.pp > 1 else "1f1b",
-                        "bucket_mb": WHOLE_BUCKET_MB},
+                        "bucket_mb": WHOLE_BUCKET_MB,
+                        "sequence_parallel": row.sequence_parallel},
            "train": {"batch_size": row.batch}}
     return config.from_dict(raw, source=f"published {row.name}").validate(row.gpus)
 
@@ -138,6 +173,19 @@ def paper_flops(row: Row) -> float:
     return 96 * row.batch * SEQ * n * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * n * h))
 
 
+def model_flops(row: Row) -> float:
+    """FLOPs of one step without recomputation, 2205.05198's count: ``72 B s l h^2 (1 +
+    s / (6 h) + V / (12 l h))``, the GPT's own ``model_flops``."""
+    from hpctrain.models.registry import model_class
+
+    return model_class("gpt").model_flops(row_config(row).model, row.batch)
+
+
+def counted_flops(row: Row) -> float:
+    """A step's FLOPs as the row's study counts them (``Row.counts``)."""
+    return paper_flops(row) if row.counts == "paper" else model_flops(row)
+
+
 @dataclass(frozen=True)
 class Prediction:
     row: Row
@@ -145,7 +193,7 @@ class Prediction:
 
     @property
     def tflops(self) -> float:
-        return paper_flops(self.row) / (self.estimate.step_s * self.row.gpus) / 1e12
+        return counted_flops(self.row) / (self.estimate.step_s * self.row.gpus) / 1e12
 
     @property
     def error(self) -> float:
@@ -162,13 +210,15 @@ def on_gpus(cluster: Cluster, gpus: int) -> Cluster:
 
 
 def predict(row: Row, cluster: Cluster, practice: cost.Practice = MEGATRON) -> Prediction:
+    """The row on its GPUs with ``practice``, recomputing what the run recomputed."""
+    practice = replace(practice, recompute=row.recompute)
     return Prediction(row, cost.estimate(row_config(row), on_gpus(cluster, row.gpus),
                                          practice=practice))
 
 
 def report(cluster: Cluster, practice: cost.Practice = MEGATRON, limit: float = 0.15) -> str:
     """Predicted against published for every row, the error, and each miss's reason."""
-    head = (f"{'table':<8} {'model':<22} {'GPUs':>5} {'batch':>5} {'pub TF':>6} "
+    head = (f"{'table':<10} {'model':<29} {'GPUs':>5} {'batch':>5} {'pub TF':>6} "
             f"{'pred TF':>7} {'error':>7}  {'step s':>7} {'GiB/GPU':>7}  largest terms")
     lines = [head, "-" * len(head)]
     errors = []
@@ -178,12 +228,14 @@ def report(cluster: Cluster, practice: cost.Practice = MEGATRON, limit: float = 
         top = sorted(p.estimate.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
         flag = "" if abs(p.error) <= limit else "  MISS"
-        lines.append(f"{row.table:<8} {row.name:<22} {row.gpus:>5} {row.batch:>5} "
+        lines.append(f"{row.table:<10} {row.name:<29} {row.gpus:>5} {row.batch:>5} "
                      f"{row.tflops:>6.0f} {p.tflops:>7.1f} {100 * p.error:>+6.1f}%  "
                      f"{p.estimate.step_s:>7.2f} {p.estimate.max_memory / 2**30:>7.1f}  "
                      f"{terms}{flag}")
     worst = max(range(len(ROWS)), key=lambda i: abs(errors[i]))
     inside = sum(abs(e) <= limit for e in errors)
+    lines.append("TF per GPU as each study counts: Tables 1 and 2 (2104.04473) with full "
+                 "recomputation's FLOPs, 2205.05198 the model's (its utilisation x 312)")
     lines.append(f"{inside} of {len(ROWS)} rows within {100 * limit:.0f}%; median "
                  f"|error| {100 * sorted(abs(e) for e in errors)[len(errors) // 2]:.1f}%, "
                  f"worst {100 * errors[worst]:+.1f}% ({ROWS[worst].table} "
