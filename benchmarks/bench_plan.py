@@ -36,7 +36,7 @@ keeps, per layout, the load average before and after, the bytes node 0 sent over
 link and the cores each node got.
 ``compare --nodes N`` compares those layouts, serial against the description cut to
 one node. ``published`` prints the predictions for Megatron-LM's published runs
-on A100 nodes (two studies) against their published teraFLOP/s per GPU
+on A100 nodes (three studies, two machines) against their published teraFLOP/s per GPU
 (``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
 ``--gemm-efficiency`` replaces the description's to show how the table moves with it,
@@ -387,25 +387,35 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
 
 def published(cluster_path: str | None, efficiency: float | None,
               intra_bandwidth: float | None = None) -> str:
+    """Every published row on the description of its machine (``--cluster`` replaces
+    the Selene one), with ``--gemm-efficiency`` / ``--intra-bandwidth`` applied to each."""
     from hpctrain.plan import published as pub
     from hpctrain.plan.cluster import Link, load_cluster
 
-    path = cluster_path or str(ROOT / pub.CLUSTER)
-    cluster = load_cluster(path)
-    effs = sorted({k.gemm_efficiency for k in cluster.kinds.values()})
-    if efficiency is not None:
-        kinds = {n: replace(k, gemm_efficiency=efficiency) for n, k in cluster.kinds.items()}
-        cluster = replace(cluster, kinds=kinds)
-        effs = [efficiency]
-    links = ""
-    if intra_bandwidth is not None:  # every collective inside a node, latency kept
-        intra = {op: Link(line.latency_s, intra_bandwidth)
-                 for op, line in cluster.links["intra"].items()}
-        cluster = replace(cluster, links={**cluster.links, "intra": intra})
-        links = f", intra-node collectives at {intra_bandwidth / 1e9:g} GB/s"
-    return (f"Megatron-LM on {cluster.name} ({path}), GEMM efficiency {effs}{links}, one "
-            f"practice for all rows, recomputing what each run did: {pub.MEGATRON}\n"
-            + pub.report(cluster))
+    def adjusted(path: str):
+        cluster = load_cluster(path)
+        if efficiency is not None:
+            kinds = {n: replace(k, gemm_efficiency=efficiency)
+                     for n, k in cluster.kinds.items()}
+            cluster = replace(cluster, kinds=kinds)
+        if intra_bandwidth is not None:  # every collective inside a node, latency kept
+            intra = {op: Link(line.latency_s, intra_bandwidth)
+                     for op, line in cluster.links["intra"].items()}
+            cluster = replace(cluster, links={**cluster.links, "intra": intra})
+        return cluster
+
+    paths = {p: str(ROOT / p) for p in {row.cluster for row in pub.ROWS}}
+    if cluster_path:
+        paths[pub.CLUSTER] = cluster_path
+    clusters = {p: adjusted(path) for p, path in paths.items()}
+    effs = sorted({k.gemm_efficiency for c in clusters.values() for k in c.kinds.values()})
+    links = (f", intra-node collectives at {intra_bandwidth / 1e9:g} GB/s"
+             if intra_bandwidth is not None else "")
+    machines = ", ".join(f"{c.name} ({paths[p]})" for p, c in sorted(clusters.items()))
+    practices = "; ".join(f"{name}: {pr}" for name, pr in pub.PRACTICES.items())
+    return (f"published runs on {machines}, GEMM efficiency {effs}{links}; one practice "
+            f"per software, recomputing what each run did: {practices}\n"
+            + pub.report(clusters))
 
 
 def two_kinds(fat: int, thin: int, cores: int = 64, memory_gib: float = 512.0):

@@ -11,13 +11,26 @@ from hpctrain.plan.cluster import load_cluster
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def clusters():
+    return {p: load_cluster(ROOT / p) for p in {row.cluster for row in pub.ROWS}}
+
+
 @pytest.mark.parametrize("row", pub.ROWS, ids=lambda r: f"{r.table}-{r.name}")
 def test_each_rows_model_has_the_published_size(row):
     count = pub.parameters(row) / 1e9
-    # published to one decimal (1.7B is 1.652B: it rounds to 1.7); the paper's own
-    # formula leaves out the final LayerNorm's 2 h
-    assert round(count, 1) == row.billions
+    if row.table == "BLOOM":
+        # 176,247M published: 70 blocks, the padded 250,880-row embedding and two
+        # LayerNorms (after the embedding and the last block), ALiBi instead of a
+        # position table; the planner's GPT has learned positions (2048 h) and one
+        h, n = row.hidden, row.layers
+        bloom = n * (12 * h * h + 13 * h) + 250_880 * h + 4 * h
+        assert round(bloom / 1e6) == 176_247
+        assert pub.parameters(row) - bloom == 2048 * h - 2 * h
+    else:
+        # published to one decimal (1.7B is 1.652B: it rounds to 1.7)
+        assert round(count, 1) == row.billions
     assert abs(count - row.billions) <= max(0.01 * row.billions, 0.05)
+    # the paper's own formula leaves out the final LayerNorm's 2 h
     assert pub.parameters(row) - pub.paper_parameters(row) == pytest.approx(2 * row.hidden,
                                                                             abs=1)
 
@@ -32,14 +45,15 @@ def test_the_rows_are_the_papers_layouts():
         assert r.gpus % (r.tp * r.pp) == 0 and r.batch % r.dp == 0
 
 
-def test_the_table_computes_every_row_with_one_cluster_and_practice():
-    cluster = load_cluster(ROOT / pub.CLUSTER)
-    text = pub.report(cluster)
+def test_the_table_computes_every_row_on_its_machines_description():
+    machines = clusters()
+    assert set(machines) == {pub.CLUSTER, pub.JEAN_ZAY}
+    text = pub.report(machines)
     tables = {row.table for row in pub.ROWS}
     assert len([line for line in text.splitlines()
                 if any(line.startswith(t + " ") for t in tables)]) == len(pub.ROWS)
     for row in pub.ROWS:
-        p = pub.predict(row, cluster)
+        p = pub.predict(row, machines[row.cluster])
         assert p.estimate.world == row.gpus
         assert p.estimate.ranks_per_node == 8
         # fits the 80 GB GPU, and the throughput is below the 312 TFLOP/s peak
@@ -97,3 +111,31 @@ def test_each_run_recomputes_what_it_did():
     # the same layout, full recomputation: the first paper's row on the same GPUs
     same = next(r for r in pub.ROWS if r.table == "Table 2" and r.gpus == 2240)
     assert full.estimate.step_s == pytest.approx(pub.predict(same, cluster).estimate.step_s)
+
+
+def test_bloom_is_its_job_script_and_its_log():
+    """bigscience train/tr11-176B-ml: t 4, p 12, d 8 on 48 nodes of 8, microbatch 2,
+    global batch 2048, the embedding counted as a block when cutting the stages
+    (5, 6, ..., 6, 5), and the log's 149.77 TFLOPs at 104.70 s an iteration, which is
+    the first paper's count with the padded vocabulary."""
+    from hpctrain.plan import memory as mem
+
+    row, = (r for r in pub.ROWS if r.table == "BLOOM")
+    assert (row.tp, row.pp, row.dp, row.gpus, row.batch, row.microbatch) == \
+        (4, 12, 8, 384, 2048, 2)
+    cfg = pub.row_config(row)
+    assert cfg.parallel.microbatches == 2048 // (8 * 2)
+    spans = mem.chunk_blocks(cfg.model, 12, 1, cfg.parallel.balance)
+    assert [b - a for a, b in spans] == [5] + [6] * 10 + [5]
+    assert pub.paper_flops(row) / (104.70 * 384) / 1e12 == pytest.approx(row.tflops,
+                                                                         rel=2e-4)
+    practice = pub.PRACTICES[row.software]
+    assert practice.p2p_scatter_gather is False and cfg.parallel.zero == 1
+    cluster = clusters()[pub.JEAN_ZAY]
+    p = pub.predict(row, cluster)
+    assert p.estimate.ranks_per_node == 8
+    # DeepSpeed sends each rank's whole activation across the Omni-Path links: more
+    # stage-to-stage time than Megatron's scatter/gather would take
+    sg = pub.predict(row, cluster, pub.MEGATRON)
+    assert sum(r.time["p2p"] for r in p.estimate.ranks) > \
+        sum(r.time["p2p"] for r in sg.estimate.ranks)

@@ -1,4 +1,4 @@
-"""The planner against published runs at scale: Megatron-LM on Selene (A100 80 GB).
+"""The planner against published runs at scale: Megatron-LM on Selene, BLOOM on Jean Zay.
 
 Two tables of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM" (SC '21, arXiv 2104.04473), both GPT models with a
@@ -15,6 +15,17 @@ abstract gives two runs of the 530B model on 2,240 A100 GPUs: model FLOPs utiliz
 54.2% with sequence parallelism and selective recomputation, 42.1% with full
 recomputation. Its layout is the 530B model's of both papers (t 8, p 35, so d 8), with
 the global batch of 2,240 of the first paper's row on those GPUs, microbatch 1.
+
+And a run on another machine with other software: BLOOM-176B on Jean Zay (48 nodes
+of 8 A100 80 GB, NVLink inside a node, 4 Omni-Path links of 100 Gbit/s a node;
+``configs/clusters/a100-jean-zay.toml``) with Megatron-DeepSpeed, from its own job
+script and log (bigscience-workshop/bigscience, ``train/tr11-176B-ml``): t 4, p 12, d 8,
+microbatch 2, global batch 2,048, the vocabulary padded to 250,880, the embedding
+counted as a block when the stages are cut (5, 6, ..., 6, 5 blocks: ``balance =
+"params"`` cuts the same), full recomputation, bf16 with fp32 master weights and
+optimizer state sharded as ZeRO-1, DeepSpeed's pipeline (the whole activation sent by
+every tensor rank, no scatter/gather): 104.70 s an iteration, 149.77 TFLOP/s a GPU in
+the first paper's count (``Row.software``, ``DEEPSPEED``).
 
 The first paper's rows are typed in from the paper (the stored reference text gave the
 README's description of Table 1 but not its numbers); the second study's figures are
@@ -60,6 +71,11 @@ CLUSTER = "configs/clusters/a100-selene.toml"
 MEGATRON = cost.Practice(element_bytes=2, master_bytes=4, recompute="full",
                          dp_overlap=False, kernels="fused", p2p_scatter_gather=True,
                          keeps_whole_model=False)
+# Megatron-DeepSpeed as BLOOM ran it: the same kernels and precision, DeepSpeed's
+# pipeline sending each tensor rank's whole activation to the next stage
+DEEPSPEED = replace(MEGATRON, p2p_scatter_gather=False)
+PRACTICES = {"megatron": MEGATRON, "megatron-deepspeed": DEEPSPEED}
+JEAN_ZAY = "configs/clusters/a100-jean-zay.toml"
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,14 @@ class Row:
     # "paper": 2104.04473's FLOPs, full recomputation counted (paper_flops); "model":
     # the model's FLOPs without recomputation (2205.05198's utilisation times the peak)
     counts: str = "paper"
+    # what the run trained on and with (PRACTICES), its microbatch, vocabulary (padded
+    # as the run padded it), ZeRO stage and how its stages were cut
+    cluster: str = CLUSTER
+    software: str = "megatron"
+    microbatch: int = 1
+    vocab: int = VOCAB
+    zero: int = 0
+    balance: str = "layers"
 
     @property
     def dp(self) -> int:
@@ -134,22 +158,29 @@ ROWS = (
     # sequence parallelism and selective recomputation, and with full recomputation
     _mfu(529.6, 128, 20480, 105, 8, 35, 2240, 2240, 0.542, "selective", True),
     _mfu(529.6, 128, 20480, 105, 8, 35, 2240, 2240, 0.421, "full", False),
+    # BLOOM-176B's log at iteration 85376 (global batch 2048): 104.70 s, 149.77 TFLOPs;
+    # 176,247M parameters as published (ALiBi, no position table, vocabulary 250,680)
+    Row("BLOOM", 176.2, 112, 14336, 70, 4, 12, 384, 2048, 149.77, cluster=JEAN_ZAY,
+        software="megatron-deepspeed", microbatch=2, vocab=250880, zero=1,
+        balance="params"),
 )
 
 
 WHOLE_BUCKET_MB = 2.0**20  # a bucket larger than any row's gradients: one all-reduce
 
 
-def row_config(row: Row, microbatch: int = 1, schedule: str = "1f1b") -> Config:
+def row_config(row: Row, microbatch: int | None = None, schedule: str = "1f1b") -> Config:
     """The row's GPT (tied embeddings, learned positions, 4h MLP: Megatron's GPT) at
     its layout, validated by the same rules as ``hpctrain train``."""
+    microbatch = microbatch or row.microbatch
     raw = {"model": {"kind": "gpt", "n_layer": row.layers, "d_model": row.hidden,
-                     "n_head": row.heads, "seq_len": SEQ, "vocab_size": VOCAB,
+                     "n_head": row.heads, "seq_len": SEQ, "vocab_size": row.vocab,
                      "tie_embeddings": True},
            "parallel": {"dp": row.dp, "tp": row.tp, "pp": row.pp,
                         "microbatches": row.batch // (row.dp * microbatch),
                         "schedule": schedule if row.pp > 1 else "1f1b",
-                        "bucket_mb": WHOLE_BUCKET_MB,
+                        "bucket_mb": WHOLE_BUCKET_MB, "zero": row.zero,
+                        "balance": row.balance,
                         "sequence_parallel": row.sequence_parallel},
            "train": {"batch_size": row.batch}}
     return config.from_dict(raw, source=f"published {row.name}").validate(row.gpus)
@@ -164,13 +195,14 @@ def parameters(row: Row) -> int:
 def paper_parameters(row: Row) -> float:
     """The paper's count: ``12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h))``."""
     n, h = row.layers, row.hidden
-    return 12 * n * h * h * (1 + 13 / (12 * h) + (VOCAB + SEQ) / (12 * n * h))
+    return 12 * n * h * h * (1 + 13 / (12 * h) + (row.vocab + SEQ) / (12 * n * h))
 
 
 def paper_flops(row: Row) -> float:
     """FLOPs of one step as the paper counts them (full recomputation included)."""
     n, h = row.layers, row.hidden  # the paper's l and h
-    return 96 * row.batch * SEQ * n * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * n * h))
+    v = row.vocab
+    return 96 * row.batch * SEQ * n * h * h * (1 + SEQ / (6 * h) + v / (16 * n * h))
 
 
 def model_flops(row: Row) -> float:
@@ -209,21 +241,24 @@ def on_gpus(cluster: Cluster, gpus: int) -> Cluster:
     return replace(cluster, nodes=((kind, gpus // per),))
 
 
-def predict(row: Row, cluster: Cluster, practice: cost.Practice = MEGATRON) -> Prediction:
-    """The row on its GPUs with ``practice``, recomputing what the run recomputed."""
-    practice = replace(practice, recompute=row.recompute)
+def predict(row: Row, cluster: Cluster, practice: cost.Practice | None = None) -> Prediction:
+    """The row on its GPUs of ``cluster`` (its description, ``Row.cluster``), with
+    ``practice`` (default: its software's), recomputing what the run recomputed."""
+    practice = replace(practice or PRACTICES[row.software], recompute=row.recompute)
     return Prediction(row, cost.estimate(row_config(row), on_gpus(cluster, row.gpus),
                                          practice=practice))
 
 
-def report(cluster: Cluster, practice: cost.Practice = MEGATRON, limit: float = 0.15) -> str:
-    """Predicted against published for every row, the error, and each miss's reason."""
+def report(clusters: dict[str, Cluster], limit: float = 0.15) -> str:
+    """Predicted against published for every row, on the description of its machine
+    (``clusters`` by ``Row.cluster``) with its software's practice: the error, and each
+    miss's reason."""
     head = (f"{'table':<10} {'model':<29} {'GPUs':>5} {'batch':>5} {'pub TF':>6} "
             f"{'pred TF':>7} {'error':>7}  {'step s':>7} {'GiB/GPU':>7}  largest terms")
     lines = [head, "-" * len(head)]
     errors = []
     for row in ROWS:
-        p = predict(row, cluster, practice)
+        p = predict(row, clusters[row.cluster])
         errors.append(p.error)
         top = sorted(p.estimate.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
@@ -234,8 +269,8 @@ def report(cluster: Cluster, practice: cost.Practice = MEGATRON, limit: float = 
                      f"{terms}{flag}")
     worst = max(range(len(ROWS)), key=lambda i: abs(errors[i]))
     inside = sum(abs(e) <= limit for e in errors)
-    lines.append("TF per GPU as each study counts: Tables 1 and 2 (2104.04473) with full "
-                 "recomputation's FLOPs, 2205.05198 the model's (its utilisation x 312)")
+    lines.append("TF per GPU as each study counts: Tables 1 and 2 (2104.04473) and BLOOM with "
+                 "full recomputation's FLOPs, 2205.05198 the model's (its utilisation x 312)")
     lines.append(f"{inside} of {len(ROWS)} rows within {100 * limit:.0f}%; median "
                  f"|error| {100 * sorted(abs(e) for e in errors)[len(errors) // 2]:.1f}%, "
                  f"worst {100 * errors[worst]:+.1f}% ({ROWS[worst].table} "
