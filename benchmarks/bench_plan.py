@@ -35,8 +35,8 @@ BLAS thread; serial on the first node alone) and removes the cluster; ``load.jso
 keeps, per layout, the load average before and after, the bytes node 0 sent over its
 link and the cores each node got.
 ``compare --nodes N`` compares those layouts, serial against the description cut to
-one node. ``published`` prints the predictions for Megatron-LM's published runs
-on A100 nodes (three studies, two machines) against their published teraFLOP/s per GPU
+one node. ``published`` prints the predictions for published runs on A100 nodes
+(Megatron-LM's and BLOOM's: three studies, two machines) against their teraFLOP/s per GPU
 (``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
 ``--gemm-efficiency`` replaces the description's to show how the table moves with it,

@@ -29,11 +29,12 @@ the first paper's count (``Row.software``, ``DEEPSPEED``).
 
 The first paper's rows are typed in from the paper (the stored reference text gave the
 README's description of Table 1 but not its numbers); the second study's figures are
-its abstract's. Every row goes through the same ``cost.estimate`` on the same cluster
-description (``configs/clusters/a100-selene.toml``) with one ``Practice``,
-``MEGATRON``, fixed for all rows, nothing fitted per row; what a run recomputed and
-whether it split the sequence are the run's own (``Row.recompute``,
-``Row.sequence_parallel``), like its layout.
+its abstract's, BLOOM's its job script's and its log's. Every row goes through the same
+``cost.estimate`` on the description of its machine (``Row.cluster``) with the one
+``Practice`` of its software (``MEGATRON`` for both Megatron-LM studies, ``DEEPSPEED``
+for BLOOM), nothing fitted per row; what a run recomputed, whether it split the
+sequence, its microbatch, padded vocabulary, ZeRO stage and stage cut are the run's
+own, like its layout.
 
 Published teraFLOP/s are the first paper's model FLOPs (its equation 3, with full
 activation recomputation) over the measured time, so the prediction is the same
