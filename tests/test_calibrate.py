@@ -114,6 +114,11 @@ def test_a_quick_run_writes_a_description_that_reads_back(tmp_path):
     # much (multi-threaded tables are not checked: a busy core stalls them)
     single = kind.gemm[cores]
     assert single[-1][1] > 0.5 * single[0][1], single
+    # the element-wise rate of each ranks-per-node count, which the plan prices
+    # LayerNorm, GELU, softmax and the optimizer with
+    assert sorted(kind.stream) == sorted({1, cores})
+    assert all(math.isfinite(r) and r > 1e8 for r in kind.stream.values()), kind.stream
+    assert "element-wise, GB/s per rank" in result.output
     for level in cl.LEVELS:
         for op in cl.OPS:
             link = c.links[level][op]

@@ -577,6 +577,8 @@ def header(command: str, how: str, load: str) -> str:
         "# GEMM: float32 n x n x n, each rank's FLOP/s (median over ranks, best of repeats); "
         "gemm: operands\n# from memory (cycled through twice the last-level cache), "
         "gemm_cached: one product repeated",
+        "# stream: element-wise bytes/s of one rank (a + b -> c over 64 MiB float32 arrays, "
+        "read and\n# written), every rank at once, by ranks per node",
         "# links: least-squares alpha-beta fits (relative error) of MPI collectives", "", ""])
 
 
@@ -606,11 +608,14 @@ class Settings:
                 f"to {_bytes(self.messages[-1])}, median of {self.comm_repeats}")
 
 
-def measure(plan: Settings, launcher: str, timeout: float):
+def measure(plan: Settings, launcher: str, timeout: float, sustained: bool = True):
     """Run the MPI jobs: one per rank count (GEMM and collectives share a job when both
     use it). Returns the GEMM tables ``{ranks: ((n, median FLOP/s), ...)}`` with the
-    operands from memory and in the caches, and the collective samples."""
-    gemm, cached, samples = {}, {}, []
+    operands from memory and in the caches, the element-wise rate ``{ranks: median
+    bytes/s}`` of each ranks-per-node count (``stream_rates``, all ranks at once;
+    ``sustained``: samples of ``SUSTAINED_PASSES`` passes, as ``--emulated`` times
+    them) and the collective samples."""
+    gemm, cached, stream, samples = {}, {}, {}, []
     for ranks in sorted(set(plan.ranks_per_node) | set(plan.comm_ranks)):
         do_gemm, do_comm = ranks in plan.ranks_per_node, ranks in plan.comm_ranks
         threads = max(1, plan.cores // ranks)
@@ -619,13 +624,15 @@ def measure(plan: Settings, launcher: str, timeout: float):
         t0 = time.perf_counter()
         result = run_worker(launcher, ranks, threads, plan.sizes if do_gemm else (),
                             plan.messages if do_comm else (),
-                            (plan.gemm_repeats, plan.comm_repeats), timeout)
+                            (plan.gemm_repeats, plan.comm_repeats), timeout,
+                            stream=do_gemm, sustained=sustained)
         if do_gemm:
             gemm[ranks] = median_table(result["gemm"])
             cached[ranks] = median_table(result["gemm_cached"])
+            stream[ranks] = statistics.median(result["stream"])
         samples += [Sample(**s) for s in result["samples"]]
         click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
-    return gemm, cached, samples
+    return gemm, cached, stream, samples
 
 
 def summary(c: cl.Cluster, path: str) -> str:
@@ -635,6 +642,10 @@ def summary(c: cl.Cluster, path: str) -> str:
     for ranks, table in sorted(kind.gemm.items()):
         lines.append(f"  {ranks} rank(s)/node: "
                      + gemm_row(table, (kind.gemm_cached or {}).get(ranks)))
+    if kind.stream:
+        rates = sorted(kind.stream.items())
+        lines.append("element-wise, GB/s per rank (median over ranks): " + ", ".join(
+            f"{ranks} rank(s)/node {rate / 1e9:.1f}" for ranks, rate in rates))
     lines.append("links (intra; inter = intra, one node measured):")
     for op, link in c.links["intra"].items():
         lines.append(f"  {op:14s} {describe_link(link)}")
@@ -687,13 +698,17 @@ def _command_line(ctx: click.Context) -> str:
                    "(hpctrain/plan/emulated.py).")
 def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, mpiexec,
                       timeout: int, quick: bool, emulated: str | None) -> None:
-    """Measure this machine (GEMM rates, MPI collectives) and write its cluster file.
+    """Measure this machine (GEMM rates, element-wise rate, MPI collectives) and write
+    its cluster file.
 
     GEMM: for each ranks-per-node count r, r ranks at once, each with cores // r BLAS
     threads, time float32 n x n x n products twice, the operands cycled through twice
     the last-level cache (gemm: a layer's weights, from memory) and one product
     repeated (gemm_cached: attention's products, in the caches); each n keeps the
-    median rank's rate. Collectives: over 2 ranks (and over the core count if larger)
+    median rank's rate. Element-wise (stream): the same r ranks at once, a + b -> c over
+    64 MiB arrays, the median of 8 samples of 40 passes (--quick: the best single
+    pass), the median rank's bytes/s; the plan prices LayerNorm, GELU, softmax and the
+    optimizer with it. Collectives: over 2 ranks (and over the core count if larger)
     all-reduce, all-gather, reduce-scatter and a ping-pong, fitted per op to t = steps(p) latency
     + volume(p, n) / bandwidth (hpctrain/plan/cluster.py). One node is measured: the
     inter-node links are copies of the intra-node ones, and the file says so.
@@ -735,7 +750,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     load = Path("/proc/loadavg").read_text().strip()
     click.echo(f"calibrating {socket.gethostname()}: {cores} cores, {memory_gib():.1f} GiB; "
                f"load {load}", err=True)
-    gemm, cached, samples = measure(plan, launcher, timeout)
+    gemm, cached, stream, samples = measure(plan, launcher, timeout, sustained=not quick)
 
     click.echo("\ncollectives inside the node, measured against fitted:")
     links = {}
@@ -746,7 +761,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
         except ValueError as err:
             raise click.ClickException(str(err)) from None
         click.echo("\n".join(fit_report(op, links[op], mine)))
-    kind = cl.NodeKind("cpu", cores, memory_gib() * 2**30, gemm, gemm_cached=cached)
+    kind = cl.NodeKind("cpu", cores, memory_gib() * 2**30, gemm, stream, gemm_cached=cached)
     cluster = cl.Cluster(name or socket.gethostname(), "mpiexec", {"cpu": kind},
                          (("cpu", 1),), {"intra": links, "inter": dict(links)})
     text = header(_command_line(click.get_current_context()), plan.describe(), load)
