@@ -2,6 +2,7 @@
 pruning by memory, the 4,096-rank enumeration time, clear errors, --emit."""
 
 import itertools
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from hpctrain import config
 from hpctrain.config import ConfigError
 from hpctrain.plan.cluster import from_dict, to_toml
 from hpctrain.plan.search import enumerate_layouts, layout_name, parse_layout, plan
+from hpctrain.slurm.cli import render_cmd
 
 TINY = dict(kind="gpt", n_layer=4, d_model=16, n_head=4, seq_len=8, vocab_size=32)
 
@@ -139,6 +141,28 @@ def test_plan_command_prints_a_table_and_emits_a_config(files):
     emitted = config.load(out)
     assert emitted.model == config.load(files / "c.toml").model
     emitted.validate(8)
+    # and the job that runs it: the printed render command renders a script of the layout
+    line, = [x for x in got.output.splitlines() if x.startswith("as a SLURM job: ")]
+    words = shlex.split(line.removeprefix("as a SLURM job: "))
+    assert words[:3] == ["hpctrain", "slurm", "render"] and str(out) in words
+    job = files / "job.sbatch"
+    words[words.index("-o") + 1] = str(job)
+    rendered = CliRunner().invoke(render_cmd, words[3:])
+    assert rendered.exit_code == 0, rendered.output
+    par = emitted.parallel
+    assert f"--dp {par.dp} --tp {par.tp} --pp {par.pp}" in job.read_text()
+
+
+def test_plan_says_when_slurm_render_cannot_run_the_layout(files):
+    # 4 nodes of 2 cores: a tensor group of 4 spans two nodes, which render refuses
+    (files / "four.toml").write_text(to_toml(hand_cluster((("cpu", 4),), cores=2)))
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "four.toml"), "--explain",
+                                    "dp1-tp4-pp2-mb2-1f1b-z0", "--emit",
+                                    str(files / "x.toml")])
+    assert got.exit_code == 0, got.output
+    assert "not with `hpctrain slurm render` (tp (4) must divide ranks per node (2)" \
+        in got.output
 
 
 def test_plan_command_explains_one_layout(files):

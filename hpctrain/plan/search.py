@@ -20,6 +20,7 @@ interleaved with 2 virtual stages; ``-bt2``: the batch split over 2 threads a ra
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -214,7 +215,8 @@ def config_toml(cfg: Config) -> str:
 @click.option("--explain", "explain_layout", metavar="LAYOUT",
               help="Print every rank's terms for one layout, e.g. dp2-tp2-pp2-mb4-1f1b-z1.")
 @click.option("--emit", type=click.Path(dir_okay=False),
-              help="Write the best layout (or --explain's) as a config TOML here.")
+              help="Write the best layout (or --explain's) as a config TOML here, and "
+                   "print the `hpctrain slurm render` command that makes its job script.")
 @click.option("--kernels", type=click.Choice(["numpy", "numba"]),
               help="The element-wise kernels the cluster's hpctrain runs (default: the "
                    "ones this one runs: numba's when numba is installed and "
@@ -255,6 +257,28 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
     if emit:
         Path(emit).write_text(config_toml(chosen.cfg))
         click.echo(f"wrote {emit} ({layout_name(chosen.cfg.parallel)})")
+        click.echo(slurm_line(chosen, cluster, emit))
+
+
+def slurm_line(chosen: cost.Estimate, cluster: Cluster, config_path: str) -> str:
+    """The ``hpctrain slurm render`` command of ``chosen`` written to ``config_path``
+    (its nodes, ranks per node, a rank's cores and layout), checked by render's own
+    rules; or why render would refuse it (a tensor group across nodes)."""
+    from hpctrain.slurm.render import JobRequest, check_fit
+
+    par = chosen.cfg.parallel
+    rpn = chosen.ranks_per_node
+    cores = min(cluster.kinds[name].cores for name, _ in cluster.nodes)
+    req = JobRequest(chosen.world // rpn, rpn, max(1, cores // rpn), dp=par.dp, tp=par.tp,
+                     pp=par.pp, config=config_path)
+    try:
+        check_fit(req)
+    except ConfigError as err:
+        return f"as a SLURM job: not with `hpctrain slurm render` ({err})"
+    return "as a SLURM job: " + shlex.join([
+        "hpctrain", "slurm", "render", "--nodes", str(req.nodes), "--ranks-per-node",
+        str(rpn), "--cpus-per-task", str(req.cpus_per_task), "--dp", str(par.dp), "--tp",
+        str(par.tp), "--pp", str(par.pp), "--config", config_path, "-o", "job.sbatch"])
 
 
 def _scope(cluster: Cluster, ranks: int | None, nodes: int | None) -> tuple[Cluster, int]:
