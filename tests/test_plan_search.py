@@ -112,6 +112,17 @@ def test_memory_prunes_and_the_closest_miss_is_the_smallest():
     assert found.closest_miss is not None
 
 
+def test_ranks_no_split_can_use_are_named_split_by_split():
+    # 5 ranks of a 4-head, 4-layer GPT with a batch of 8: tp 5 and pp 5 are too many,
+    # and dp 5 does not divide the batch, so no combination is even generated
+    with pytest.raises(ConfigError) as err:
+        enumerate_layouts(tiny_config(), hand_cluster((("cpu", 5),), cores=1), 5)
+    text = str(err.value)
+    assert "dp 5 (tp 1, pp 1) does not divide the batch of 8" in text
+    assert "pp 5 exceeds the 4 layers" in text and "tp 5 exceeds the 4 heads" in text
+    assert "None" not in text
+
+
 def test_a_batch_no_layout_can_run_is_an_error():
     # tp <= 4 heads and pp <= 4 layers: 64 ranks need dp >= 4
     with pytest.raises(ConfigError, match="no layout of 64 ranks can run a global batch of 1"):

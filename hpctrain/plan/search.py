@@ -106,6 +106,26 @@ def candidates(cfg: Config, world: int, threads: int = 1):
                                               batch_threads=split)
 
 
+def unusable(cfg: Config, world: int) -> list[str]:
+    """Why each (tp, pp) split of ``world`` ranks yields no candidate at all."""
+    m, batch = cfg.model, cfg.train.batch_size
+    reasons = []
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if tp > m.n_head:
+                why = f"tp {tp} exceeds the {m.n_head} heads"
+            elif pp > m.n_layer:
+                why = f"pp {pp} exceeds the {m.n_layer} layers"
+            elif batch % dp:
+                why = f"dp {dp} (tp {tp}, pp {pp}) does not divide the batch of {batch}"
+            else:
+                continue
+            if why not in reasons:
+                reasons.append(why)
+    return reasons
+
+
 @dataclass
 class Search:
     ranked: list[cost.Estimate]  # layouts that fit, fastest first
@@ -139,8 +159,9 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     if not valid:
         raise ConfigError(f"no layout of {world} ranks can run a global batch of "
                           f"{cfg.train.batch_size} (the batch must be a multiple of dp * "
-                          f"microbatches, and the model must accept tp and pp); e.g. "
-                          f"{first_error}")
+                          f"microbatches, and the model must accept tp and pp); "
+                          + (f"e.g. {first_error}" if first_error
+                             else "; ".join(unusable(cfg, world))))
     ok = sorted((e for e in estimates if fits(e)), key=lambda e: e.step_s)
     closest = None if ok else min(estimates, key=miss)
     top = [cost.estimate(e.cfg, cluster, replay=True, memo=memo, practice=practice)
