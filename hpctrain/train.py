@@ -41,6 +41,7 @@ from hpctrain.parallel.sparse_data import has_tables, make_sparse_data_parallel
 from hpctrain.parallel.topology import Topology
 from hpctrain.precision import Precision
 from hpctrain.runtime import (
+    UserError,
     blas_spin_warning,
     keep_freed_memory,
     set_blas_threads,
@@ -223,10 +224,31 @@ def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader)
     """Load the checkpoint ``--resume`` names into the run (collective), or None."""
     from hpctrain.checkpoint import find_resume, load_training
 
-    path = find_resume(resume, cfg.train.run_dir) if resume else None
+    if not resume:
+        _refuse_overwrite(cfg)
+        return None
+    path = find_resume(resume, cfg.train.run_dir)
     if path is None:
         return None
     return load_training(path, cfg, topo, engine, dp, loader=loader)
+
+
+def _refuse_overwrite(cfg: Config) -> None:
+    """A fresh run that saves checkpoints into a run folder holding an earlier run's
+    would replace them step by step and move ``latest`` back: refused, with the ways
+    out, before anything is written."""
+    from hpctrain.checkpoint.format import latest_checkpoint
+    from hpctrain.checkpoint.training import checkpoint_root
+
+    if not cfg.train.save_interval:
+        return
+    root = checkpoint_root(cfg.train.run_dir)
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        raise UserError(f"{root} already holds an earlier run's checkpoints (latest: "
+                        f"{latest.name}), which a fresh run saving every "
+                        f"{cfg.train.save_interval} steps would overwrite: continue it "
+                        f"with --resume auto, or start afresh in another --run-dir")
 
 
 def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dict,

@@ -421,6 +421,20 @@ def test_resume_auto_gives_the_bitwise_losses_of_an_uninterrupted_run(config_fil
     assert result.returncode == 0 and len(losses) == 6  # nothing to resume: from scratch
 
 
+def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(config_file,
+                                                                     uninterrupted):
+    """Without --resume, a run saving into a folder that holds checkpoints is refused
+    before anything is written; the folder, its latest and its metrics stay as they were."""
+    run_dir = stopped_after_3(uninterrupted, config_file.parent / "again")
+    (run_dir / "metrics.jsonl").write_text('{"step": 3, "loss": 1.0}\n')
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    result, _ = train_cli(config_file, 1, run_dir, "--steps", "6")
+    assert result.returncode != 0
+    assert "already holds an earlier run's checkpoints (latest: step-000003)" in \
+        result.stderr and "--resume auto" in result.stderr
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+
+
 @pytest.mark.slow
 def test_resume_at_another_layout_matches_to_float_tolerance(config_file, uninterrupted):
     run_dir = stopped_after_3(uninterrupted, config_file.parent / "resharded")
