@@ -224,10 +224,7 @@ def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader)
     """Load the checkpoint ``--resume`` names into the run (collective), or None."""
     from hpctrain.checkpoint import find_resume, load_training
 
-    if not resume:
-        _refuse_overwrite(cfg)
-        return None
-    path = find_resume(resume, cfg.train.run_dir)
+    path = find_resume(resume, cfg.train.run_dir) if resume else None
     if path is None:
         return None
     return load_training(path, cfg, topo, engine, dp, loader=loader)
@@ -236,7 +233,7 @@ def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader)
 def _refuse_overwrite(cfg: Config) -> None:
     """A fresh run that saves checkpoints into a run folder holding an earlier run's
     would replace them step by step and move ``latest`` back: refused, with the ways
-    out, before anything is written."""
+    out, before anything is built or written."""
     from hpctrain.checkpoint.format import latest_checkpoint
     from hpctrain.checkpoint.training import checkpoint_root
 
@@ -370,6 +367,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ``after_step``: called on every rank after each step, outside its timing (the
     benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
     """
+    if not resume:
+        startup_check(comm, lambda: _refuse_overwrite(cfg))
     nn_kernels.load(cfg.model.dtype)  # numba's machine code now, not in the first step
     memory = None
     if cfg.train.memory_report:  # traced from here: the engine's arrays included

@@ -73,57 +73,54 @@ def miss(e: cost.Estimate) -> int:
     return max(r.memory.total - r.memory_limit for r in e.ranks)
 
 
-def candidates(cfg: Config, world: int, threads: int = 1):
-    """Every [parallel] combination to try (not yet validated); ``threads``: the cores a
-    rank has, over which a rank running the whole model may split its batch."""
-    par, n_layer = cfg.parallel, cfg.model.n_layer
-    batch = cfg.train.batch_size
-    for tp in divisors(world):
-        if tp > cfg.model.n_head:
-            break
-        for pp in divisors(world // tp):
-            if pp > n_layer:
-                break
-            dp = world // (tp * pp)
-            if batch % dp:
-                continue
-            for mb in divisors(batch // dp):
-                if pp == 1:
-                    schedules = [("1f1b", 1)]
-                else:
-                    schedules = [("gpipe", 1), ("1f1b", 1)] + [
-                        ("interleaved", v) for v in range(1, n_layer // pp + 1)
-                        if mb % pp == 0]
-                rows = batch // (dp * mb)
-                splits = (1, threads) if tp == pp == 1 and min(threads, rows) > 1 else (1,)
-                for schedule, v in schedules:
-                    for zero in ((0, 1, 2) if dp > 1 and par.averaging == "sync" else (0,)):
-                        for seq in ((False, True) if tp > 1 else (False,)):
-                            for split in splits:
-                                yield replace(par, dp=dp, tp=tp, pp=pp, microbatches=mb,
-                                              schedule=schedule, virtual_stages=v,
-                                              zero=zero, sequence_parallel=seq, sp=1,
-                                              batch_threads=split)
-
-
-def unusable(cfg: Config, world: int) -> list[str]:
-    """Why each (tp, pp) split of ``world`` ranks yields no candidate at all."""
+def rank_splits(cfg: Config, world: int):
+    """Every (tp, pp, dp) split of ``world`` ranks, with why the search skips it (None:
+    it does not): more tensor ranks than heads, more stages than layers, or a data
+    group that does not divide the global batch."""
     m, batch = cfg.model, cfg.train.batch_size
-    reasons = []
     for tp in divisors(world):
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
+            why = None
             if tp > m.n_head:
                 why = f"tp {tp} exceeds the {m.n_head} heads"
             elif pp > m.n_layer:
                 why = f"pp {pp} exceeds the {m.n_layer} layers"
             elif batch % dp:
                 why = f"dp {dp} (tp {tp}, pp {pp}) does not divide the batch of {batch}"
+            yield tp, pp, dp, why
+
+
+def candidates(cfg: Config, world: int, threads: int = 1):
+    """Every [parallel] combination to try (not yet validated); ``threads``: the cores a
+    rank has, over which a rank running the whole model may split its batch."""
+    par, n_layer = cfg.parallel, cfg.model.n_layer
+    batch = cfg.train.batch_size
+    for tp, pp, dp, why in rank_splits(cfg, world):
+        if why is not None:
+            continue
+        for mb in divisors(batch // dp):
+            if pp == 1:
+                schedules = [("1f1b", 1)]
             else:
-                continue
-            if why not in reasons:
-                reasons.append(why)
-    return reasons
+                schedules = [("gpipe", 1), ("1f1b", 1)] + [
+                    ("interleaved", v) for v in range(1, n_layer // pp + 1)
+                    if mb % pp == 0]
+            rows = batch // (dp * mb)
+            splits = (1, threads) if tp == pp == 1 and min(threads, rows) > 1 else (1,)
+            for schedule, v in schedules:
+                for zero in ((0, 1, 2) if dp > 1 and par.averaging == "sync" else (0,)):
+                    for seq in ((False, True) if tp > 1 else (False,)):
+                        for split in splits:
+                            yield replace(par, dp=dp, tp=tp, pp=pp, microbatches=mb,
+                                          schedule=schedule, virtual_stages=v,
+                                          zero=zero, sequence_parallel=seq, sp=1,
+                                          batch_threads=split)
+
+
+def rank_cores(cluster: Cluster, rpn: int) -> int:
+    """A rank's cores with ``rpn`` ranks on each node: the smallest node's share."""
+    return max(1, min(cluster.kinds[name].cores for name, _ in cluster.nodes) // rpn)
 
 
 @dataclass
@@ -142,7 +139,7 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     valid for the global batch."""
     t0 = time.perf_counter()
     rpn = cost.ranks_per_node(cluster, world)  # the placement's rule, by name
-    threads = max(1, min(cluster.kinds[name].cores for name, _ in cluster.nodes) // rpn)
+    threads = rank_cores(cluster, rpn)
     memo: dict = {}
     tried, valid, estimates = 0, [], []
     first_error = None
@@ -160,8 +157,9 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
         raise ConfigError(f"no layout of {world} ranks can run a global batch of "
                           f"{cfg.train.batch_size} (the batch must be a multiple of dp * "
                           f"microbatches, and the model must accept tp and pp); "
-                          + (f"e.g. {first_error}" if first_error
-                             else "; ".join(unusable(cfg, world))))
+                          + (f"e.g. {first_error}" if first_error else "; ".join(
+                              dict.fromkeys(why for *_, why in rank_splits(cfg, world)
+                                            if why is not None))))
     ok = sorted((e for e in estimates if fits(e)), key=lambda e: e.step_s)
     closest = None if ok else min(estimates, key=miss)
     top = [cost.estimate(e.cfg, cluster, replay=True, memo=memo, practice=practice)
@@ -289,9 +287,8 @@ def slurm_line(chosen: cost.Estimate, cluster: Cluster, config_path: str) -> str
 
     par = chosen.cfg.parallel
     rpn = chosen.ranks_per_node
-    cores = min(cluster.kinds[name].cores for name, _ in cluster.nodes)
-    req = JobRequest(chosen.world // rpn, rpn, max(1, cores // rpn), dp=par.dp, tp=par.tp,
-                     pp=par.pp, config=config_path)
+    req = JobRequest(chosen.world // rpn, rpn, rank_cores(cluster, rpn), dp=par.dp,
+                     tp=par.tp, pp=par.pp, config=config_path)
     try:
         check_fit(req)
     except ConfigError as err:
