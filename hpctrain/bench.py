@@ -252,6 +252,9 @@ def run_layout(comm: Any, layout: str, *, data: str, steps: int, warmup: int, ou
         return comm.allgather(probe.rate())
 
     first_peaks = probe_all_ranks()
+    if comm.Get_rank() == 0:  # the layout's run folder is this benchmark's scratch
+        for name in ("metrics.jsonl", "config.json"):
+            (Path(run_dir) / name).unlink(missing_ok=True)
     trace_path = str(Path(run_dir) / "trace.json") if trace else None
     train(cfg, comm, quiet=True, trace_path=trace_path,
           after_step=lambda: {"gemm_flops_per_rank": probe_all_ranks()})

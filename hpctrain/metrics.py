@@ -3,6 +3,7 @@ readable progress line. Only the rank that owns the writer (rank 0) touches file
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -35,6 +36,28 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def keep_earlier(run_dir: str | Path) -> list[Path]:
+    """Before a fresh run writes ``run_dir``'s ``metrics.jsonl`` and ``config.json``:
+    an earlier run's non-empty metrics file and its config are renamed to
+    ``metrics.<k>.jsonl`` and ``config.<k>.json`` (the first k from 1 free for both),
+    so a second run into one folder replaces neither. Returns the new names (none: no
+    earlier records)."""
+    run_dir = Path(run_dir)
+    metrics, config = run_dir / "metrics.jsonl", run_dir / "config.json"
+    if not (metrics.is_file() and metrics.stat().st_size):
+        return []
+    k = next(k for k in itertools.count(1)
+             if not (run_dir / f"metrics.{k}.jsonl").exists()
+             and not (run_dir / f"config.{k}.json").exists())
+    kept = []
+    for old, new in ((metrics, run_dir / f"metrics.{k}.jsonl"),
+                     (config, run_dir / f"config.{k}.json")):
+        if old.is_file():
+            old.rename(new)
+            kept.append(new)
+    return kept
 
 
 def progress_line(rec: dict[str, Any], total_steps: int, unit: str = "tok/s") -> str:

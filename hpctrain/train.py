@@ -28,7 +28,7 @@ from hpctrain.config import Config
 from hpctrain.data import eval_batches, open_loader
 from hpctrain.data.contents import check_fits, read_contents
 from hpctrain.guard import DivergenceError, NonFiniteGuard
-from hpctrain.metrics import MetricsWriter, progress_line
+from hpctrain.metrics import MetricsWriter, keep_earlier, progress_line
 from hpctrain.models.registry import model_class
 from hpctrain.nn import kernels as nn_kernels
 from hpctrain.nn import threads as nn_threads
@@ -398,8 +398,12 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
 
     writer = None
     if comm.Get_rank() == 0:
+        kept = keep_earlier(t.run_dir) if resumed is None else []
         writer = MetricsWriter(t.run_dir, resume_after=None if resumed is None
                                else resumed.step)
+        if kept and not quiet:
+            writer.say(f"{t.run_dir} held an earlier run's records: kept as "
+                       f"{' and '.join(p.name for p in kept)}")
         (Path(t.run_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         if not quiet:
             _announce(writer, cfg, comm, topo, nodes, threads, engine, dp, resumed, sched)

@@ -435,6 +435,25 @@ def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(config_file,
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
 
 
+def test_a_second_fresh_run_keeps_the_first_runs_metrics_and_config(config_file):
+    """Two runs into one folder, without checkpoints: the first run's records and
+    config are renamed, not replaced, and the second run says so."""
+    run_dir = config_file.parent / "twice"
+    first, losses = train_cli(config_file, 1, run_dir, "--steps", "2", "--save-interval", "0")
+    assert first.returncode == 0, first.stderr
+    records, config = ((run_dir / name).read_bytes() for name in ("metrics.jsonl",
+                                                                   "config.json"))
+    second, again = train_cli(config_file, 1, run_dir, "--steps", "3", "--save-interval",
+                              "0", "--lr", "1e-4")
+    assert second.returncode == 0, second.stderr
+    assert "held an earlier run's records: kept as metrics.1.jsonl and config.1.json" in \
+        second.stdout
+    assert (run_dir / "metrics.1.jsonl").read_bytes() == records and len(losses) == 2
+    assert (run_dir / "config.1.json").read_bytes() == config
+    assert len(again) == 3 and json.loads((run_dir / "config.json").read_text())[
+        "train"]["lr"] == 1e-4
+
+
 @pytest.mark.slow
 def test_resume_at_another_layout_matches_to_float_tolerance(config_file, uninterrupted):
     run_dir = stopped_after_3(uninterrupted, config_file.parent / "resharded")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import h5py
@@ -283,10 +284,15 @@ def test_eval_batches_are_fixed_and_global(tokens_h5, images_h5):
 # refusals
 
 
-def test_bad_files_are_refused(tmp_path, tokens_h5, ratings_h5):
+def test_bad_files_are_refused(tmp_path, tokens_h5, ratings_h5, monkeypatch):
     kw = {"batch_size": 4, "seed": 0, "seq_len": 8}
-    with pytest.raises(DataError, match="none.h5: no such file"):
+    with pytest.raises(DataError, match="none.h5: no such file; hpctrain-prep") as err:
         open_loader(tmp_path / "none.h5", **kw)
+    assert "relative" not in str(err.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=re.escape(f"data/none.h5: no such file (relative "
+                                                  f"to the current folder, {tmp_path})")):
+        open_loader("data/none.h5", **kw)
     with h5py.File(tmp_path / "plain.h5", "w") as f:
         f["train"] = np.zeros(100, np.uint8)
     with pytest.raises(DataError, match="plain.h5: not an hpctrain dataset"):

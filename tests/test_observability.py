@@ -313,3 +313,20 @@ def test_the_progress_line_names_its_throughput_unit():
     assert "12 tok/s" in progress_line(rec, 10)
     line = progress_line(rec, 10, "samp/s")
     assert "12 samp/s" in line and "dice 1 0.9000" in line
+
+
+def test_an_earlier_runs_metrics_and_config_are_kept_under_the_first_free_number(tmp_path):
+    from hpctrain.metrics import keep_earlier
+
+    assert keep_earlier(tmp_path) == []  # nothing there
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "config.json").write_text("{}")
+    assert keep_earlier(tmp_path) == []  # no records: nothing to keep
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "config.2.json").write_text("{}")  # 2 is taken by a config alone
+    assert keep_earlier(tmp_path) == [tmp_path / "metrics.1.jsonl", tmp_path / "config.1.json"]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n')  # a run without a config
+    assert keep_earlier(tmp_path) == [tmp_path / "metrics.3.jsonl"]
+    assert (tmp_path / "metrics.1.jsonl").read_text() == '{"step": 1}\n'
+    assert (tmp_path / "metrics.3.jsonl").read_text() == '{"step": 2}\n'
+    assert not (tmp_path / "metrics.jsonl").exists()

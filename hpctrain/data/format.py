@@ -129,7 +129,8 @@ def open_h5(path: str | Path, **kwargs) -> h5py.File:
     """Open an HDF5 file read-only; a missing, truncated or corrupt file is a DataError."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such file")
+        where = "" if path.is_absolute() else f" (relative to the current folder, {Path.cwd()})"
+        raise DataError(f"{path}: no such file{where}; hpctrain-prep writes datasets")
     if path.is_dir():
         raise DataError(f"{path}: is a folder, not a dataset file (and has no {MANIFEST_NAME})")
     try:
