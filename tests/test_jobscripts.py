@@ -71,6 +71,29 @@ def test_render_validates_the_model_for_the_layout(tmp_path):
     assert result.exit_code != 0 and "tp (3) must divide n_head (8)" in result.output
 
 
+@pytest.mark.parametrize("train_args, message", [
+    ("--microbatch 4", "No such option '--microbatch'. Did you mean '--microbatches'?"),
+    ("--zero two", "Invalid value for '--zero': 'two' is not a valid integer"),
+    ("--zero 9", "zero (9) must be 0, 1, 2 or 3"),
+    ("--microbatches 3", "batch_size (8) must be a positive multiple of dp * microbatches "
+                         "(2 * 3 = 6)"),
+    ("--tp=2", "--tp is the job's own option: give it to render"),
+    ("--config other.toml", "--config is the job's own option"),
+])
+def test_render_reads_the_training_options_as_train_does(tmp_path, train_args, message):
+    """--train-args go through `hpctrain train`'s own parser and the config's rules:
+    a typo or a bad value fails at render, not when the job starts in the queue."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[model]\nn_head = 4\nd_model = 64\n[train]\nbatch_size = 8\n")
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "2",
+                                       "--config", str(cfg), "--train-args", train_args])
+    assert result.exit_code != 0 and message in result.output, result.output
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "2",
+                                       "--config", str(cfg), "--train-args",
+                                       "--microbatches 2 --zero 1 --steps 10"])
+    assert result.exit_code == 0, result.output
+
+
 def test_render_refuses_values_that_would_break_the_script():
     req = JobRequest(nodes=1, ranks_per_node=1, config='evil"; rm -rf /')
     with pytest.raises(ConfigError, match="must not contain"):

@@ -9,8 +9,10 @@ as it is. Rendering rewrites two kinds of lines and leaves every other line alon
 
 ``check_fit`` runs first and refuses a layout that does not match the allocation:
 ``dp * tp * pp`` must equal ``nodes * ranks_per_node``, and a tensor group must sit on
-one node. The run's config is validated for that rank count too, so a model rule
-(``tp (3) must divide n_head (8)``) fails here, before anything is submitted.
+one node. The run's config, with the options of ``--train-args`` read by ``hpctrain
+train``'s own parser, is validated for that rank count too, so a model rule (``tp (3)
+must divide n_head (8)``), a misspelt option or a bad value fails here, before anything
+is submitted.
 """
 
 from __future__ import annotations
@@ -73,11 +75,43 @@ def check_fit(req: JobRequest) -> int:
 
 
 def check_config(req: JobRequest, dp: int) -> None:
-    """Validate the run's config file for this layout, as every rank would."""
+    """Validate the run's config file for this layout and ``--train-args``, as every
+    rank would."""
     from hpctrain import config as config_mod
 
-    overrides = {"parallel.dp": dp, "parallel.tp": req.tp, "parallel.pp": req.pp}
+    overrides = {**train_overrides(req.train_args),
+                 "parallel.dp": dp, "parallel.tp": req.tp, "parallel.pp": req.pp}
     config_mod.load(req.config, overrides).validate(req.ranks)
+
+
+# set by the job itself (the layout, the config): not accepted in --train-args
+OWN_OPTIONS = ("--dp", "--tp", "--pp", "--config")
+
+
+def train_overrides(train_args: str) -> dict:
+    """The config overrides of ``--train-args``, read by ``hpctrain train``'s own option
+    parser and split into words as the job script's shell splits them, so that a
+    misspelt option or a bad value fails now rather than when the job starts."""
+    import click
+
+    from hpctrain.cli import OVERRIDES, _plan, train
+
+    args = train_args.split()
+    where = f"--train-args ({train_args!r})"
+    own = next((a for a in args if a.split("=")[0] in OWN_OPTIONS), None)
+    if own is not None:
+        raise ConfigError(f"{where}: {own.split('=')[0]} is the job's own option: give it "
+                          f"to render (--dp, --tp, --pp, --config), not in --train-args")
+    try:
+        params = train.make_context("train", ["--config", "-", *args]).params
+    except click.ClickException as err:
+        raise ConfigError(f"{where}: {err.format_message()} (hpctrain train --help lists "
+                          f"the options)") from None
+    except click.exceptions.Exit:  # --help
+        raise ConfigError(f"{where}: holds no training run's options") from None
+    overrides = {OVERRIDES[k]: v for k, v in params.items()
+                 if k in OVERRIDES and v is not None}
+    return {**overrides, **_plan(params.get("table_plan"))}
 
 
 def render(template: str, req: JobRequest, dp: int) -> str:
