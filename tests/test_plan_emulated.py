@@ -104,9 +104,9 @@ def test_the_search_runs_on_one_core_nodes_one_rank_each():
     from hpctrain.plan.search import _scope, enumerate_layouts
 
     cfg = make(1)
-    c, world = _scope(one_core_nodes(4, inter_bandwidth=1e8), None, 4)
-    assert world == 4
-    found = enumerate_layouts(cfg, c, world)
+    c, worlds = _scope(one_core_nodes(4, inter_bandwidth=1e8), None, 4)
+    assert worlds == [4]
+    found = enumerate_layouts(cfg, c, worlds[0])
     assert found.ranked and all(e.ranks_per_node == 1 for e in found.ranked)
 
 

@@ -11,7 +11,14 @@ from click.testing import CliRunner
 from hpctrain import config
 from hpctrain.config import ConfigError
 from hpctrain.plan.cluster import from_dict, to_toml
-from hpctrain.plan.search import enumerate_layouts, layout_name, parse_layout, plan
+from hpctrain.plan.search import (
+    enumerate_layouts,
+    enumerate_over,
+    layout_name,
+    parse_layout,
+    per_node_counts,
+    plan,
+)
 from hpctrain.slurm.cli import render_cmd
 
 TINY = dict(kind="gpt", n_layer=4, d_model=16, n_head=4, seq_len=8, vocab_size=32)
@@ -174,6 +181,46 @@ def test_plan_says_when_slurm_render_cannot_run_the_layout(files):
     assert got.exit_code == 0, got.output
     assert "not with `hpctrain slurm render` (tp (4) must divide ranks per node (2)" \
         in got.output
+
+
+def test_without_ranks_the_plan_searches_every_measured_count_of_ranks_a_node(files):
+    """A node measured with 1 and 2 ranks (calibrate's tables): one rank of 2 threads
+    is searched beside two of 1, and ranked with them; counts that do not divide the
+    cores, and devices given by their peak, are not."""
+    two = hand_cluster(cores=2)
+    kind = two.kinds["cpu"]
+    two = replace(two, kinds={"cpu": replace(kind, gemm={1: ((64, 4e10), (1024, 9e10)),
+                                                         **kind.gemm})})
+    assert per_node_counts(two) == [1, 2]
+    assert per_node_counts(hand_cluster(cores=8)) == [8]  # measured at 8 only
+    odd = replace(kind, cores=4, gemm={3: kind.gemm[2], 1: kind.gemm[2], 4: kind.gemm[2]})
+    assert per_node_counts(replace(two, kinds={"cpu": odd})) == [1, 4]
+    peak = replace(kind, gemm={}, peak_flops=1e12, gemm_efficiency=0.5)
+    assert per_node_counts(replace(two, kinds={"cpu": peak})) == [2]
+
+    cfg = tiny_config()
+    merged = enumerate_over(cfg, two, [1, 2])
+    alone = [enumerate_layouts(cfg, two, w) for w in (1, 2)]
+    assert merged.valid == sum(s.valid for s in alone)
+    assert {layout_name(e.cfg.parallel) for e in merged.ranked} == {
+        layout_name(e.cfg.parallel) for s in alone for e in s.ranked}
+    # the layouts costed with the schedule replayed (each search's best 20) first
+    replayed = sum(min(20, len(s.ranked)) for s in alone)
+    times = [e.step_s for e in merged.ranked]
+    assert times[:replayed] == sorted(times[:replayed])
+    assert times[replayed:] == sorted(times[replayed:])
+    assert {e.world for e in merged.ranked[:replayed]} == {1, 2}
+
+    (files / "two.toml").write_text(to_toml(two))
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "two.toml"), "--top", "40"])
+    assert got.exit_code == 0, got.output
+    assert f"{merged.valid} valid layouts of {merged.tried} tried on 1 or 2 ranks" in got.output
+    assert "-bt2 " in got.output and "dp2-" in got.output
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "two.toml"), "--explain",
+                                    "dp1-tp1-pp1-mb1-1f1b-z0-bt2"])  # the layout's 1 rank
+    assert got.exit_code == 0 and "1 ranks per node" in got.output, got.output
 
 
 def test_plan_command_explains_one_layout(files):

@@ -168,6 +168,46 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     return Search(ranked, tried, len(valid), closest, time.perf_counter() - t0)
 
 
+def per_node_counts(cluster: Cluster) -> list[int]:
+    """The ranks-per-node counts a plan searches when not given the ranks: one rank
+    per core of the smallest node, and every smaller count dividing its cores at
+    which each kind's GEMM rates were measured (a calibrated CPU node: fewer ranks,
+    each with more BLAS threads or its batch split over them). Devices described by
+    their published peak run one rank each."""
+    kinds = [cluster.kinds[name] for name, _ in cluster.nodes]
+    cores = min(k.cores for k in kinds)
+    counts = {cores}
+    if not any(k.peak_flops for k in kinds):
+        measured = set.intersection(*(set(k.gemm) for k in kinds))
+        counts |= {r for r in measured if r < cores and cores % r == 0}
+    return sorted(counts)
+
+
+def enumerate_over(cfg: Config, cluster: Cluster, worlds: list[int], *, refine: int = 20,
+                   practice: cost.Practice = cost.HPCTRAIN) -> Search:
+    """``enumerate_layouts`` at each rank count of ``worlds``, merged into one ranking:
+    the layouts costed with the schedule replayed first, fastest first, then the rest.
+    Raises the last count's ConfigError only if no count has a valid layout."""
+    searches, error = [], None
+    for world in worlds:
+        try:
+            searches.append(enumerate_layouts(cfg, cluster, world, refine=refine,
+                                              practice=practice))
+        except ConfigError as err:
+            error = err
+    if not searches:
+        raise error
+    if len(searches) == 1:
+        return searches[0]
+    replayed = sorted((e for s in searches for e in s.ranked[:refine]), key=lambda e: e.step_s)
+    rest = sorted((e for s in searches for e in s.ranked[refine:]), key=lambda e: e.step_s)
+    misses = [s.closest_miss for s in searches if s.closest_miss is not None]
+    return Search(replayed + rest, sum(s.tried for s in searches),
+                  sum(s.valid for s in searches),
+                  None if replayed or not misses else min(misses, key=miss),
+                  sum(s.seconds for s in searches))
+
+
 # ---------------------------------------------------------------------------------
 # printing
 
@@ -225,10 +265,12 @@ def config_toml(cfg: Config) -> str:
               help="The run's config TOML (its [parallel] is what the plan replaces).")
 @click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False),
               help="The cluster description (hpctrain calibrate writes one).")
-@click.option("--ranks", type=int, help="Ranks in all (default: one per core of every node).")
+@click.option("--ranks", type=int,
+              help="Ranks in all (default: one per core of every node, and every smaller "
+                   "count a node the description measured at, e.g. one rank of 2 threads "
+                   "against two of 1).")
 @click.option("--nodes", type=int,
-              help="Use the first N nodes of the cluster, one rank per core of the "
-                   "smallest of them.")
+              help="Use the first N nodes of the cluster (their ranks as without --ranks).")
 @click.option("--batch", type=int, help="Global batch size (default: the config's).")
 @click.option("--top", type=int, default=5, show_default=True, help="Layouts to print.")
 @click.option("--explain", "explain_layout", metavar="LAYOUT",
@@ -248,16 +290,19 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
         if batch is not None:
             cfg = replace(cfg, train=replace(cfg.train, batch_size=batch))
         cluster = load_cluster(cluster_path)
-        cluster, world = _scope(cluster, ranks, nodes)
+        cluster, worlds = _scope(cluster, ranks, nodes)
         if explain_layout:
             par = replace(cfg.parallel, **parse_layout(explain_layout))
+            world = par.dp * par.tp * par.pp
+            world = world if world in worlds else worlds[-1]  # else: validate says why
             chosen = cost.estimate(replace(cfg, parallel=par).validate(world), cluster,
                                    practice=practice)
             click.echo(explain(chosen))
         else:
-            found = enumerate_layouts(cfg, cluster, world, practice=practice)
+            found = enumerate_over(cfg, cluster, worlds, practice=practice)
             priced = kernels or cost.running_kernels(cfg.model)
-            click.echo(f"{found.valid} valid layouts of {found.tried} tried on {world} ranks "
+            on = " or ".join(str(w) for w in worlds)
+            click.echo(f"{found.valid} valid layouts of {found.tried} tried on {on} ranks "
                        f"({cluster.name}), {len(found.ranked)} fit in memory; "
                        f"{found.seconds:.2f} s; {priced} element-wise kernels")
             if not found.ranked:
@@ -299,8 +344,10 @@ def slurm_line(chosen: cost.Estimate, cluster: Cluster, config_path: str) -> str
         str(par.tp), "--pp", str(par.pp), "--config", config_path, "-o", "job.sbatch"])
 
 
-def _scope(cluster: Cluster, ranks: int | None, nodes: int | None) -> tuple[Cluster, int]:
-    """The cluster cut to ``nodes`` nodes, and the rank count."""
+def _scope(cluster: Cluster, ranks: int | None, nodes: int | None
+           ) -> tuple[Cluster, list[int]]:
+    """The cluster cut to ``nodes`` nodes, and the rank counts to search (``ranks``, or
+    the nodes times each of ``per_node_counts``)."""
     if ranks is not None and nodes is not None:
         raise click.BadParameter("give --ranks or --nodes, not both")
     if nodes is not None:
@@ -313,9 +360,6 @@ def _scope(cluster: Cluster, ranks: int | None, nodes: int | None) -> tuple[Clus
                 kept.append((kind, min(count, left)))
                 left -= kept[-1][1]
         cluster = replace(cluster, nodes=tuple(kept))
-        cores = min(cluster.kinds[k].cores for k, _ in kept)
-        return cluster, nodes * cores
-    if ranks is None:
-        cores = min(cluster.kinds[k].cores for k, _ in cluster.nodes)
-        return cluster, cluster.num_nodes * cores
-    return cluster, ranks
+    if ranks is not None:
+        return cluster, [ranks]
+    return cluster, [cluster.num_nodes * r for r in per_node_counts(cluster)]
