@@ -246,10 +246,9 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
     from hpctrain.runtime import abort_on_error, startup_check
 
     comm = MPI.COMM_WORLD
-    overrides = {OVERRIDES[k]: v for k, v in options.items() if v is not None}
     with abort_on_error(comm):
         cfg = startup_check(
-            comm, lambda: config_mod.load(config_path, {**overrides, **_plan(table_plan)})
+            comm, lambda: config_mod.load(config_path, config_overrides(options, table_plan))
             .validate(comm.Get_size()))
         from hpctrain.train import train as run_training
 
@@ -260,13 +259,16 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
 
 
-def _plan(path: str | None) -> dict:
-    """``--table-plan``'s file as config overrides (none without one)."""
-    if path is None:
-        return {}
-    from hpctrain.parallel.tables import read_plan
+def config_overrides(options: dict, table_plan: str | None) -> dict:
+    """``hpctrain train``'s options (``OVERRIDES``' names; None: not given) and
+    ``--table-plan``'s file as config overrides, dotted field -> value."""
+    overrides = {OVERRIDES[k]: v for k, v in options.items()
+                 if k in OVERRIDES and v is not None}
+    if table_plan is not None:
+        from hpctrain.parallel.tables import read_plan
 
-    return read_plan(path)
+        overrides |= read_plan(table_plan)
+    return overrides
 
 
 main.add_command(bench_command)

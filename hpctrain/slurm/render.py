@@ -94,7 +94,7 @@ def train_overrides(train_args: str) -> dict:
     misspelt option or a bad value fails now rather than when the job starts."""
     import click
 
-    from hpctrain.cli import OVERRIDES, _plan, train
+    from hpctrain.cli import config_overrides, train
 
     args = train_args.split()
     where = f"--train-args ({train_args!r})"
@@ -109,9 +109,7 @@ def train_overrides(train_args: str) -> dict:
                           f"the options)") from None
     except click.exceptions.Exit:  # --help
         raise ConfigError(f"{where}: holds no training run's options") from None
-    overrides = {OVERRIDES[k]: v for k, v in params.items()
-                 if k in OVERRIDES and v is not None}
-    return {**overrides, **_plan(params.get("table_plan"))}
+    return config_overrides(params, params.get("table_plan"))
 
 
 def render(template: str, req: JobRequest, dp: int) -> str:
