@@ -7,7 +7,9 @@ together and the message names the ranks that disagreed.
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -195,3 +197,23 @@ SAVE_AND_DIE = textwrap.dedent("""
                   on_event=die)
     print("the save finished: nobody was killed")
 """)
+
+
+@contextlib.contextmanager
+def hdf5_held_for_writing(path) -> Iterator[None]:
+    """While inside, another process holds ``path`` open for writing in HDF5, and so
+    its exclusive lock (a real second process: locks are per process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time, h5py; f = h5py.File(sys.argv[1], 'a'); "
+            "print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "held":
+            raise RuntimeError(f"could not open {path} for writing in a second process")
+        yield
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -42,7 +42,12 @@ from hpctrain.config import Config, ModelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.shards import take_shard
 from hpctrain.parallel.topology import Topology
-from hpctrain.testing import run_train, tiny_corpus_config, tiny_gpt_template
+from hpctrain.testing import (
+    hdf5_held_for_writing,
+    run_train,
+    tiny_corpus_config,
+    tiny_gpt_template,
+)
 from hpctrain.train import make_data_parallel, train_step
 
 MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, dtype="float64")
@@ -261,6 +266,21 @@ def test_a_truncated_file_is_named(saved):
     data.write_bytes(data.read_bytes()[:4096])
     with pytest.raises(CheckpointError, match=r"rank-00000.h5: cannot be read as HDF5"):
         Serial(cfg).load(path)
+
+
+@pytest.mark.parametrize("name", [fmt.INDEX_NAME, fmt.data_filename(0)])
+def test_a_checkpoint_file_another_process_writes_is_named_as_locked_not_corrupt(saved,
+                                                                               name):
+    """The index or a data file held open for writing by another process (HDF5's
+    exclusive lock): the load names the lock, not a corrupt file, and loads after."""
+    cfg, path, held = saved
+    with hdf5_held_for_writing(path / name), pytest.raises(CheckpointError) as err:
+        Serial(cfg).load(path)
+    assert f"{name}: HDF5 could not lock it: another process has it open for writing " \
+        "(errno 11)" in str(err.value) and fmt.REMEDY not in str(err.value)
+    fresh = Serial(cfg)
+    fresh.load(path)
+    assert same(fresh.held(), held)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -15,6 +15,8 @@ import pytest
 from data_prep.partition import partition
 from hpctrain import config
 from hpctrain.data import DataError, assign_shards, eval_batches, open_loader
+from hpctrain.data.format import lock_problem
+from hpctrain.testing import hdf5_held_for_writing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,6 +284,34 @@ def test_eval_batches_are_fixed_and_global(tokens_h5, images_h5):
 
 # ---------------------------------------------------------------------------------
 # refusals
+
+
+def test_a_dataset_another_process_writes_is_named_as_locked_not_corrupt(tokens_h5):
+    """HDF5 locks what it opens: a file another process holds open for writing is
+    refused with the lock named, not called corrupt with advice to re-create it."""
+    kw = {"batch_size": 4, "seed": 0, "seq_len": 8}
+    with hdf5_held_for_writing(tokens_h5), pytest.raises(DataError) as err:
+        open_loader(tokens_h5, **kw)
+    assert "HDF5 could not lock it: another process has it open for writing (errno 11)" \
+        in str(err.value) and "re-create" not in str(err.value)
+    open_loader(tokens_h5, **kw)  # released: it opens
+
+
+@pytest.mark.parametrize("text, advice", [
+    ("Unable to synchronously open file (unable to lock file, errno = 524, error message "
+     "= 'Unknown error 524')", "supports no file locks (errno 524); set "
+                               "HDF5_USE_FILE_LOCKING=FALSE"),
+    ("Unable to open file (unable to lock file, errno = 38, error message = 'Function "
+     "not implemented')", "supports no file locks (errno 38)"),
+    ("Unable to open file (unable to lock file, errno = 11, error message = 'Resource "
+     "temporarily unavailable')", "another process has it open for writing"),
+    ("Unable to open file (file signature not found)", None),
+])
+def test_lock_failures_are_told_apart_by_the_text_hdf5_gives(text, advice):
+    """The texts HDF5 gives (errno 524: Lustre mounted without flock; 38: no locks at
+    all; 11: a writer holds the lock); any other failure is not a lock problem."""
+    found = lock_problem(OSError(text))
+    assert found is None if advice is None else advice in found
 
 
 def test_bad_files_are_refused(tmp_path, tokens_h5, ratings_h5, monkeypatch):

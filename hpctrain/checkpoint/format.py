@@ -65,7 +65,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpctrain.data.format import DataError, sha256_array
+from hpctrain.data.format import DataError, lock_problem, sha256_array
 
 CHECKPOINT = "hpctrain.checkpoint"  # an index: index.h5, or a consolidated file
 DATA = "hpctrain.checkpoint-data"  # the pieces one rank (or all, with MPI-IO) wrote
@@ -296,12 +296,22 @@ class Index:
         return self.path if name == SELF else self.root / name
 
 
+def open_checkpoint_file(path: Path, needed: str = "") -> h5py.File:
+    """``path`` opened read-only by HDF5, or a CheckpointError: a file HDF5 cannot lock
+    names the lock (``data.format.lock_problem``), any other failure the file as
+    corrupt. ``needed``: what the file is needed for, appended to the message."""
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        if (locked := lock_problem(err)) is not None:
+            raise CheckpointError(f"{path}: {locked}{needed}") from None
+        raise CheckpointError(f"{path}: cannot be read as HDF5 ({err}){needed}; "
+                              f"{REMEDY}") from None
+
+
 def read_index(path: Path) -> Index:
     """Read and check an index file (``index.h5`` or a consolidated checkpoint)."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read as HDF5 ({err}); {REMEDY}") from None
+    f = open_checkpoint_file(path)
     with f:
         check_format(f, path, CHECKPOINT)
         try:

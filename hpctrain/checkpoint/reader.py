@@ -56,6 +56,7 @@ from hpctrain.checkpoint.format import (
     TensorEntry,
     check_format,
     checksum_of,
+    open_checkpoint_file,
     read_index,
     resolve,
 )
@@ -133,11 +134,7 @@ class Checkpoint:
     def _file(self, name: str, tensor: str) -> h5py.File:
         if name not in self._files:
             path = self.index.file_path(name)
-            try:
-                f = h5py.File(path, "r")
-            except OSError as err:
-                raise CheckpointError(f"{path}: cannot be read as HDF5 ({err}), needed for "
-                                      f"tensor {tensor}; {REMEDY}") from None
+            f = open_checkpoint_file(path, f", needed for tensor {tensor}")
             try:
                 check_format(f, path, CHECKPOINT if name == SELF else DATA)
             except CheckpointError:

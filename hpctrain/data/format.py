@@ -30,8 +30,10 @@ flushed and fsync'ed, then renamed over the final name (``atomic_output``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -125,8 +127,27 @@ class FileInfo:
 # reading and checking
 
 
+def lock_problem(err: OSError) -> str | None:
+    """Why HDF5 could not lock a file it opens, and what to do, if ``err`` says so (its
+    text holds "unable to lock file"); else None. HDF5 locks every file it opens
+    (shared to read, exclusive to write): another process writing the file holds the
+    lock (errno 11), and some parallel file systems (Lustre without ``flock``, NFS)
+    support no locks at all (errno 38, or 524 on Lustre)."""
+    text = str(err)
+    if "unable to lock file" not in text:
+        return None
+    code = re.search(r"errno = (\d+)", text)
+    number = int(code.group(1)) if code else None
+    if number in (errno.EAGAIN, errno.EACCES):
+        return (f"HDF5 could not lock it: another process has it open for writing "
+                f"(errno {number}); wait for that process or stop it")
+    return (f"HDF5 could not lock it: this file system supports no file locks "
+            f"(errno {number}); set HDF5_USE_FILE_LOCKING=FALSE in the job's environment")
+
+
 def open_h5(path: str | Path, **kwargs) -> h5py.File:
-    """Open an HDF5 file read-only; a missing, truncated or corrupt file is a DataError."""
+    """Open an HDF5 file read-only; a missing, truncated or corrupt file is a DataError,
+    as is one HDF5 cannot lock (``lock_problem``)."""
     path = Path(path)
     if not path.exists():
         where = "" if path.is_absolute() else f" (relative to the current folder, {Path.cwd()})"
@@ -136,6 +157,8 @@ def open_h5(path: str | Path, **kwargs) -> h5py.File:
     try:
         return h5py.File(path, "r", **kwargs)
     except OSError as err:
+        if (locked := lock_problem(err)) is not None:
+            raise DataError(f"{path}: {locked}") from None
         reason = "truncated" if "truncated" in str(err) else "corrupt or not HDF5"
         raise DataError(f"{path}: cannot be read as HDF5 ({reason}: {err}); "
                         f"re-create it with hpctrain-prep") from None
