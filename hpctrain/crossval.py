@@ -79,7 +79,9 @@ def cv_command(config_path: str, folds: int | None, steps: int | None,
     from mpi4py import MPI
 
     from hpctrain import config as config_mod
+    from hpctrain.data.format import RATINGS
     from hpctrain.data.ratings import read_ratings
+    from hpctrain.models.registry import model_class
     from hpctrain.runtime import abort_on_error, startup_check
 
     comm = MPI.COMM_WORLD
@@ -88,6 +90,12 @@ def cv_command(config_path: str, folds: int | None, steps: int | None,
 
     def setup():
         cfg = config_mod.load(config_path, overrides).validate(comm.Get_size())
+        reads = model_class(cfg.model.kind).data_format
+        if reads != RATINGS:
+            raise config_mod.ConfigError(
+                f"{config_path}: its model ({cfg.model.kind}) reads {reads} data; hpctrain "
+                f"cv validates models of {RATINGS} data on their folds (e.g. "
+                f"configs/dlrm-movielens.toml)")
         held = read_ratings(cfg.data.path).folds
         n = held if folds is None else folds
         if not 1 <= n <= held:

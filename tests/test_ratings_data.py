@@ -413,3 +413,8 @@ def test_cv_trains_each_fold_and_reports_the_rmse_of_its_val_mse(ratings_h5, tmp
     assert f"mean RMSE {report['mean']:.4f}" in result.output
     bad = CliRunner().invoke(main, ["cv", "--config", str(config), "--folds", "6"])
     assert bad.exit_code == 2 and "--folds (6) must be between 1 and the 5 folds" in bad.output
+    tokens = tmp_path / "gpt.toml"  # a model of another kind of data
+    tokens.write_text('[model]\nkind = "gpt"\n[data]\npath = "none.h5"\n')
+    bad = CliRunner().invoke(main, ["cv", "--config", str(tokens)])
+    assert bad.exit_code == 2 and "its model (gpt) reads hpctrain.tokens data; hpctrain " \
+        "cv validates models of hpctrain.ratings data" in bad.output
