@@ -57,6 +57,7 @@ apart (the shape in the index).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -296,12 +297,14 @@ class Index:
         return self.path if name == SELF else self.root / name
 
 
-def open_checkpoint_file(path: Path, needed: str = "") -> h5py.File:
-    """``path`` opened read-only by HDF5, or a CheckpointError: a file HDF5 cannot lock
-    names the lock (``data.format.lock_problem``), any other failure the file as
-    corrupt. ``needed``: what the file is needed for, appended to the message."""
+def open_checkpoint_file(path: Path, needed: str = "", image: bytes | None = None
+                         ) -> h5py.File:
+    """``path`` opened read-only by HDF5 (or ``image``, its bytes as read before: opened
+    in memory), or a CheckpointError: a file HDF5 cannot lock names the lock
+    (``data.format.lock_problem``), any other failure the file as corrupt. ``needed``:
+    what the file is needed for, appended to the message."""
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path if image is None else io.BytesIO(image), "r")
     except OSError as err:
         if (locked := lock_problem(err)) is not None:
             raise CheckpointError(f"{path}: {locked}{needed}") from None
@@ -309,9 +312,10 @@ def open_checkpoint_file(path: Path, needed: str = "") -> h5py.File:
                               f"{REMEDY}") from None
 
 
-def read_index(path: Path) -> Index:
-    """Read and check an index file (``index.h5`` or a consolidated checkpoint)."""
-    f = open_checkpoint_file(path)
+def read_index(path: Path, image: bytes | None = None) -> Index:
+    """Read and check an index file (``index.h5`` or a consolidated checkpoint);
+    ``image``: its bytes, already read (``training.index_image``)."""
+    f = open_checkpoint_file(path, image=image)
     with f:
         check_format(f, path, CHECKPOINT)
         try:

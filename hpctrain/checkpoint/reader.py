@@ -82,8 +82,10 @@ _segments = functools.lru_cache(maxsize=4096)(segments)  # pure, and asked at ev
 class Checkpoint:
     """An open checkpoint: its index, and the files opened so far (read-only)."""
 
-    def __init__(self, path: str | Path):
-        self.index: Index = read_index(resolve(path))
+    def __init__(self, path: str | Path, image: bytes | None = None):
+        """``image``: the index file's bytes, read once for many ranks
+        (``training.index_image``); None: read here."""
+        self.index: Index = read_index(resolve(path), image)
         self._files: dict[str, h5py.File] = {}
         self._fds: dict[str, int] = {}
         self._flat: dict[tuple[str, str], tuple[int | None, int]] = {}

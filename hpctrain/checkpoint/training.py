@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint import writer
-from hpctrain.checkpoint.format import CheckpointError, latest_checkpoint, resolve
+from hpctrain.checkpoint.format import (
+    INDEX_NAME,
+    CheckpointError,
+    latest_checkpoint,
+    resolve,
+)
 from hpctrain.checkpoint.reader import Checkpoint
 from hpctrain.checkpoint.state import (
     held_tensors,
@@ -123,10 +128,24 @@ def check_share(topo: Any, held: list) -> tuple[int, int]:
     return same.index(node_comm.Get_rank()), len(same)
 
 
+def index_image(comm: Any, path: Path) -> bytes | None:
+    """The bytes of the checkpoint's index file ``path`` (``index.h5``), read by rank 0
+    alone and broadcast, so that a job of N ranks reads it once from the shared file
+    system instead of N times (the benchmark GPT's 231 tensors in pieces of 1,024 ranks:
+    an index of 22.6 MB, 1.3 s to parse).
+    None for a single rank or a consolidated file (index and data in one, read as
+    before). Collective over ``comm``; a failed read fails every rank alike."""
+    if comm.Get_size() == 1 or path.name != INDEX_NAME:
+        return None
+    image = writer.all_ranks(comm, lambda: path.read_bytes() if comm.Get_rank() == 0
+                             else None, f"reading {path}")
+    return comm.bcast(image, root=0)
+
+
 def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
-                generators: dict, share: tuple[int, int] = (0, 1)
-                ) -> tuple[int, dict, dict, list[str]]:
-    with Checkpoint(path) as ckpt:
+                generators: dict, share: tuple[int, int] = (0, 1),
+                image: bytes | None = None) -> tuple[int, dict, dict, list[str]]:
+    with Checkpoint(path, image) as ckpt:
         meta = ckpt.meta
         saved = (meta.get("optimizer") or {}).get("kind")
         if saved != cfg.train.optimizer:
@@ -166,9 +185,10 @@ def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *
                      else None, f"removing unfinished saves in {root}")
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
     share = check_share(topo, held)  # a bad piece found by one fails all (all_ranks)
+    image = index_image(comm, path)
     step, meta, sched, stored = writer.all_ranks(
-        comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}, share),
-        f"loading {path}")
+        comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}, share,
+                                  image), f"loading {path}")
     names = {h.name for h in held}
     if comm.Get_size() > 1:
         names = set().union(*comm.allgather(sorted(names)))

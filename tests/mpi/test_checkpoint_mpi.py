@@ -283,3 +283,29 @@ def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, 
         WORLD.Barrier()
     run.load(path)  # intact again
     run.free()
+
+
+def test_the_index_is_read_by_one_rank_and_broadcast(batches, shared_dir):
+    """``training.index_image``: rank 0 alone reads the index file and every rank gets
+    its bytes (shown by giving the other ranks a path that does not exist: they never
+    open it); a load through ``load_training`` uses them; an index rank 0 cannot read
+    fails every rank."""
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.checkpoint import format as fmt
+    from hpctrain.checkpoint.training import index_image
+
+    run = Run(config((SIZE, 1, 1), 0), WORLD)
+    run.steps(batches, SAVE_AT)
+    path = run.save(shared_dir / "one-reader") / fmt.INDEX_NAME
+    elsewhere = shared_dir / "nowhere" / fmt.INDEX_NAME
+    image = index_image(WORLD, path if WORLD.Get_rank() == 0 else elsewhere)
+    assert_all(WORLD, image == path.read_bytes(), "every rank holds the index's bytes")
+    run.load(path.parent)  # through load_training, with the broadcast bytes
+    try:
+        index_image(WORLD, elsewhere)
+        message = ""
+    except CheckpointError as err:
+        message = str(err)
+    assert_all(WORLD, "on rank(s) [0]" in message and "nowhere" in message,
+               f"an index rank 0 cannot read fails every rank: {message!r}")
+    run.free()
