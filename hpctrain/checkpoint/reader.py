@@ -82,14 +82,17 @@ _segments = functools.lru_cache(maxsize=4096)(segments)  # pure, and asked at ev
 class Checkpoint:
     """An open checkpoint: its index, and the files opened so far (read-only)."""
 
-    def __init__(self, path: str | Path, image: bytes | None = None):
+    def __init__(self, path: str | Path, image: bytes | None = None,
+                 check_files: bool = True):
         """``image``: the index file's bytes, read once for many ranks
-        (``training.index_image``); None: read here."""
+        (``training.index_image``); None: read here. ``check_files``: check that every
+        file the index names exists (a stat each: with many ranks, one rank does it)."""
         self.index: Index = read_index(resolve(path), image)
         self._files: dict[str, h5py.File] = {}
         self._fds: dict[str, int] = {}
         self._flat: dict[tuple[str, str], tuple[int | None, int]] = {}
-        self._check_files()
+        if check_files:
+            self._check_files()
         for entry in self.index.tensors.values():
             problem = tiles([p.box for p in entry.pieces], entry.global_shape)
             if problem is not None:

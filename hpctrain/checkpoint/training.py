@@ -132,7 +132,8 @@ def index_image(comm: Any, path: Path) -> bytes | None:
     """The bytes of the checkpoint's index file ``path`` (``index.h5``), read by rank 0
     alone and broadcast, so that a job of N ranks reads it once from the shared file
     system instead of N times (the benchmark GPT's 231 tensors in pieces of 1,024 ranks:
-    an index of 22.6 MB, 1.3 s to parse).
+    an index of 22.6 MB, 1.3 s to parse); rank 0 alone then checks that the files it
+    names exist (``load_training``: 1,024 stats, not 1,024 on every rank).
     None for a single rank or a consolidated file (index and data in one, read as
     before). Collective over ``comm``; a failed read fails every rank alike."""
     if comm.Get_size() == 1 or path.name != INDEX_NAME:
@@ -144,8 +145,9 @@ def index_image(comm: Any, path: Path) -> bytes | None:
 
 def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
                 generators: dict, share: tuple[int, int] = (0, 1),
-                image: bytes | None = None) -> tuple[int, dict, dict, list[str]]:
-    with Checkpoint(path, image) as ckpt:
+                image: bytes | None = None, check_files: bool = True
+                ) -> tuple[int, dict, dict, list[str]]:
+    with Checkpoint(path, image, check_files) as ckpt:
         meta = ckpt.meta
         saved = (meta.get("optimizer") or {}).get("kind")
         if saved != cfg.train.optimizer:
@@ -186,9 +188,10 @@ def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
     share = check_share(topo, held)  # a bad piece found by one fails all (all_ranks)
     image = index_image(comm, path)
+    check_files = image is None or comm.Get_rank() == 0  # one rank stats the files
     step, meta, sched, stored = writer.all_ranks(
         comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}, share,
-                                  image), f"loading {path}")
+                                  image, check_files), f"loading {path}")
     names = {h.name for h in held}
     if comm.Get_size() > 1:
         names = set().union(*comm.allgather(sorted(names)))
