@@ -118,9 +118,14 @@ def candidates(cfg: Config, world: int, threads: int = 1):
                                           batch_threads=split)
 
 
+def node_cores(cluster: Cluster) -> int:
+    """The cores of the cluster's smallest node: what a block placement can use."""
+    return min(cluster.kinds[name].cores for name, _ in cluster.nodes)
+
+
 def rank_cores(cluster: Cluster, rpn: int) -> int:
     """A rank's cores with ``rpn`` ranks on each node: the smallest node's share."""
-    return max(1, min(cluster.kinds[name].cores for name, _ in cluster.nodes) // rpn)
+    return max(1, node_cores(cluster) // rpn)
 
 
 @dataclass
@@ -175,7 +180,7 @@ def per_node_counts(cluster: Cluster) -> list[int]:
     each with more BLAS threads or its batch split over them). Devices described by
     their published peak run one rank each."""
     kinds = [cluster.kinds[name] for name, _ in cluster.nodes]
-    cores = min(k.cores for k in kinds)
+    cores = node_cores(cluster)
     counts = {cores}
     if not any(k.peak_flops for k in kinds):
         measured = set.intersection(*(set(k.gemm) for k in kinds))
