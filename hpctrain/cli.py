@@ -221,7 +221,8 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
     """Train a model on every rank of the MPI job.
 
     On SIGUSR1 or SIGTERM every rank finishes its step, a checkpoint is saved and the
-    command exits with status 3 (the SLURM template then requeues the job). A step
+    command exits with status 3 (the SLURM template then requeues the job); on Ctrl-C
+    the same, with status 130 (a second Ctrl-C stops at once, without saving). A step
     whose loss or gradient norm is nan or inf is skipped on every rank; after
     --max-skipped-steps of them in a row the run stops with status 4, its last
     checkpoint (never written from non-finite state) intact.
@@ -243,9 +244,10 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
     from mpi4py import MPI
 
     from hpctrain import config as config_mod
-    from hpctrain.runtime import abort_on_error, startup_check
+    from hpctrain.runtime import EXIT_INTERRUPTED, abort_on_error, startup_check
 
     comm = MPI.COMM_WORLD
+    preempt.speak(comm.Get_rank() == 0)  # one line for a Ctrl-C, not one a rank
     with abort_on_error(comm):
         cfg = startup_check(
             comm, lambda: config_mod.load(config_path, config_overrides(options, table_plan))
@@ -255,6 +257,8 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
         summary = run_training(cfg, comm, quiet=quiet, resume=resume,
                                reset_schedule=reset_schedule, trace_path=trace_path)
     preempt.ignore()  # the run is over, saved or finished: a late signal changes nothing
+    if summary.interrupted:
+        sys.exit(EXIT_INTERRUPTED)  # a Ctrl-C: stopped and saved, not requeued
     if summary.preempted:
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
 

@@ -1,4 +1,5 @@
-"""Preemption: a signal asks the job to checkpoint at the end of the step and stop.
+"""Preemption and interruption: a signal asks the job to checkpoint at the end of the
+step and stop.
 
 SLURM sends SIGUSR1 before the time limit (``#SBATCH --signal=USR1@N``) or when told
 (``scancel --signal=USR1``); schedulers and ``kill`` send SIGTERM. The handler only
@@ -6,31 +7,60 @@ sets a flag, so the signal may arrive anywhere, even inside BLAS or MPI. At the 
 every step the ranks agree with one tiny all-reduce: if any rank was signalled, all
 of them save and stop after the *same* step, and ``hpctrain train`` exits with
 ``EXIT_PREEMPTED`` so the batch script knows to requeue.
+
+Ctrl-C (SIGINT; ``mpiexec`` passes it to every rank) stops the same way, after the
+step, with a checkpoint, but exits with ``runtime.EXIT_INTERRUPTED`` (130, the shell's
+status for SIGINT), which no batch script requeues. Its first arrival says so on the
+terminal; a second one raises ``KeyboardInterrupt`` where the rank is, which ends the
+job at once without saving (``runtime.abort_on_error``). A SIGINT the process was
+started ignoring (a background job of a shell without job control) stays ignored.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any
 
 EXIT_PREEMPTED = 3
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
+# what ``agreed`` returns: bits of the signals any rank has seen
+PREEMPTED, INTERRUPTED = 1, 2
+
 _received: list[int] = []
+_speaker = [True]  # whether this rank says that a Ctrl-C was seen (rank 0 of the job)
 
 
 def _handler(signum, _frame) -> None:
     _received.append(signum)
 
 
+def _interrupt(signum, _frame) -> None:
+    _received.append(signum)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the next one: at once
+    if _speaker[0]:  # os.write: a print may be under way where the signal came
+        os.write(2, b"\ninterrupt: stopping after this step with a checkpoint "
+                    b"(Ctrl-C again stops at once, without one)\n")
+
+
 def install() -> None:
-    """Catch SIGUSR1 and SIGTERM from now on (call first thing: a signal can come early)."""
+    """Catch SIGUSR1, SIGTERM and SIGINT from now on (call first thing: a signal can
+    come early)."""
     for sig in SIGNALS:
         signal.signal(sig, _handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def speak(on: bool) -> None:
+    """Whether this rank announces a Ctrl-C (only one rank of a job should)."""
+    _speaker[0] = on
 
 
 def ignore() -> None:
-    """Ignore SIGUSR1 and SIGTERM from now on: the run has ended, nothing is left to save.
+    """Ignore SIGUSR1 and SIGTERM from now on, and let Ctrl-C raise as usual: the run
+    has ended, nothing is left to save.
 
     A signal that comes late (``--signal=USR1@N`` as the last step ends) must not kill
     a finished run in its shutdown: Python resets its own handlers to the default, which
@@ -38,6 +68,8 @@ def ignore() -> None:
     """
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def received() -> bool:
@@ -45,13 +77,19 @@ def received() -> bool:
     return bool(_received)
 
 
-def agreed(comm: Any) -> bool:
-    """Whether any rank of ``comm`` has been signalled (collective: one all-reduce)."""
+def _bits() -> int:
+    return (INTERRUPTED if signal.SIGINT in _received else 0) | \
+        (PREEMPTED if any(s in SIGNALS for s in _received) else 0)
+
+
+def agreed(comm: Any) -> int:
+    """What any rank of ``comm`` has been signalled to do (collective: one all-reduce):
+    0, or the bits ``PREEMPTED`` and ``INTERRUPTED``; true when the run must stop."""
     from mpi4py import MPI
 
     if comm.Get_size() == 1:
-        return received()
-    return bool(comm.allreduce(int(received()), op=MPI.MAX))
+        return _bits()
+    return int(comm.allreduce(_bits(), op=MPI.BOR))
 
 
 def signal_name() -> str:

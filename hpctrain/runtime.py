@@ -8,7 +8,8 @@ Three kinds of failure, three mechanisms:
   rank 0 prints each distinct message once (naming the ranks it came from) and every
   rank exits with status 2. No traceback: the message says what to fix.
 * **Anything else**, at any time, on any rank: ``abort_on_error`` prints the traceback
-  prefixed with the rank and calls ``MPI_Abort``, which ends the whole job with a
+  prefixed with the rank (a ``KeyboardInterrupt``, the one line "interrupted", status
+  130) and calls ``MPI_Abort``, which ends the whole job with a
   non-zero status. Waiting ranks are never left hanging in a collective (the same
   behaviour as ``python -m mpi4py``).
 * **Errors the ranks agreed on** in a collective (``CollectiveError``: the run diverged,
@@ -28,6 +29,7 @@ T = TypeVar("T")
 
 EXIT_USER_ERROR = 2
 EXIT_CRASH = 1
+EXIT_INTERRUPTED = 130  # a Ctrl-C, as a shell reports it
 
 
 class UserError(Exception):
@@ -101,6 +103,9 @@ def abort_on_error(comm: Any):
         if isinstance(err, user_error_types()):
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
             code = EXIT_USER_ERROR
+        elif isinstance(err, KeyboardInterrupt):  # Ctrl-C: where it came is no news
+            print(f"{prefix}interrupted", file=sys.stderr, flush=True)
+            code = EXIT_INTERRUPTED
         else:
             text = "".join(traceback.format_exception(err))
             sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))

@@ -59,6 +59,7 @@ class Summary:
     val_accuracy: float | None
     seconds: float
     preempted: bool = False  # stopped early by a signal, after saving a checkpoint
+    interrupted: bool = False  # ... and the signal was a Ctrl-C (no requeue)
 
 
 def make_optimizer(cfg: Config, named_params, decay=None):
@@ -421,7 +422,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         loop.retention.saved(resumed.path.parent)  # pending until its first step is finite
     trace.align_origin(comm, loop.tracer)
     start = time.perf_counter()
-    preempted, step = False, first - 1
+    stop, step = 0, first - 1
     watch = watchdog.start(topo, loop.tracer, t.stall_timeout)  # each step and the gap after
     try:
         for step in range(first, t.steps + 1):
@@ -432,13 +433,14 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
             saved = bool(t.save_interval) and (step % t.save_interval == 0 or step == t.steps)
             if saved:
                 saved = loop.save(step, record["loss"])
-            if preempt.agreed(comm) and step < t.steps:
-                loop.stop_preempted(step, saved)
-                preempted = True
+            stop = preempt.agreed(comm) if step < t.steps else 0
+            if stop:
+                loop.stop_preempted(step, saved, stop)
                 break
     finally:
         watch.stop()
     loop.wait_for_save()  # the last write lands first
+    preempted = bool(stop)
     if not preempted:
         loop.retention.finished()
     seconds = time.perf_counter() - start
@@ -455,7 +457,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     if memory is not None:
         memory.stop()
     topo.free()
-    return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted)
+    return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted,
+                   bool(stop & preempt.INTERRUPTED))
 
 
 class _Loop:
@@ -573,13 +576,14 @@ class _Loop:
     def wait_for_save(self) -> bool:
         return _wait_for_save(self.background, self.say_to)
 
-    def stop_preempted(self, step: int, saved) -> None:
-        """A signal asked the job to stop: save (if this step did not), let the write
-        land, say so (collective)."""
+    def stop_preempted(self, step: int, saved, stop: int) -> None:
+        """A signal asked the job to stop (``stop``: ``preempt.agreed``'s bits): save
+        (if this step did not), let the write land, say so (collective)."""
         if not saved:
             saved = self.save(step, self.losses[-1], say=self.writer)
         saved = _wait_for_save(self.background, self.writer) and saved  # it lands first
         if self.writer is not None:
             what = "checkpoint saved" if saved else "no checkpoint (the state is not finite)"
-            self.writer.say(f"preempted ({preempt.signal_name() or 'signal on another rank'}) "
-                            f"after step {step}: {what}; resume with --resume auto")
+            why = ("interrupted (Ctrl-C)" if stop & preempt.INTERRUPTED else
+                   f"preempted ({preempt.signal_name() or 'signal on another rank'})")
+            self.writer.say(f"{why} after step {step}: {what}; resume with --resume auto")

@@ -1,6 +1,7 @@
 """Preemption without SLURM: SIGUSR1 to one rank of an mpiexec job makes every rank
 stop after the same step with a checkpoint, exit 3, and a resumed run ends with the
-loss curve of an uninterrupted one, bitwise."""
+loss curve of an uninterrupted one, bitwise. Ctrl-C stops the same way with status
+130; a second one at once."""
 
 import os
 import signal
@@ -78,4 +79,67 @@ def test_a_signal_after_the_run_is_ignored_not_fatal():
             "print('alive', preempt.received())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
+    assert result.returncode == 0 and result.stdout.split() == ["alive", "False"], result
+
+
+def test_ctrl_c_checkpoints_exits_130_and_the_run_resumes(tmp_path):
+    # what a terminal's Ctrl-C does under mpiexec: mpiexec passes SIGINT to every rank
+    cfg = prepare(tmp_path)
+    job = launch(cfg, tmp_path / "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and len(read_metrics(metrics)) >= 5):
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert err.count("interrupt: stopping after this step with a checkpoint") == 1, err
+    assert "Traceback" not in err
+    stopped = read_metrics(metrics)[-1]["step"]
+    assert 5 <= stopped < 300
+    assert f"interrupted (Ctrl-C) after step {stopped}: checkpoint saved" in out
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() \
+        == f"step-{stopped:06d}"
+
+    resumed = launch(cfg, tmp_path / "run", "--resume", "auto", "--steps", str(stopped + 2))
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    assert f"after step {stopped}" in out
+    assert [r["step"] for r in read_metrics(metrics)][-2:] == [stopped + 1, stopped + 2]
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
+    # the first SIGINT sets the flag; the second raises where the rank is, and
+    # abort_on_error reports it as one line with status 130, no traceback
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from mpi4py import MPI\n"
+        "from hpctrain import preempt\n"
+        "from hpctrain.runtime import abort_on_error\n"
+        "preempt.install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('agreed', preempt.agreed(MPI.COMM_WORLD), flush=True)\n"
+        "with abort_on_error(MPI.COMM_WORLD):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "print('not stopped')\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 130, result
+    assert result.stdout.split() == ["agreed", "2"], result  # preempt.INTERRUPTED
+    assert result.stderr.strip().splitlines()[-1] == "interrupted", result
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("interrupt: stopping after this step") == 1
+
+
+def test_a_ctrl_c_ignored_from_the_start_stays_ignored():
+    # a background job of a shell without job control starts with SIGINT ignored
+    code = ("import os, signal; from hpctrain import preempt; preempt.install(); "
+            "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN; "
+            "os.kill(os.getpid(), signal.SIGINT); print('alive', preempt.received())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert result.returncode == 0 and result.stdout.split() == ["alive", "False"], result
