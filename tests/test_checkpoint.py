@@ -108,6 +108,52 @@ def test_every_rank_together_tiles_the_tensor_once():
     assert "outside" in tiles([((0, 5), (0, 12))], shape)
 
 
+def _covered_once(boxes, shape):
+    """The definition, element by element: every box inside, every element once."""
+    count = np.zeros(shape, dtype=int)
+    for box in boxes:
+        if any(a < 0 or b > n or a >= b for (a, b), n in zip(box, shape, strict=True)):
+            return False
+        count[tuple(slice(a, b) for a, b in box)] += 1
+    return bool((count == 1).all())
+
+
+def test_tiles_agrees_with_counting_every_element():
+    # grids of pieces as layouts cut tensors, then one piece lost, doubled, grown or
+    # stray, in random order: the verdict equals the element count's
+    rng = np.random.default_rng(5)
+    for _ in range(600):
+        shape = tuple(int(n) for n in rng.integers(1, 7, size=rng.integers(1, 4)))
+        cuts = [sorted({0, n, *rng.integers(0, n + 1, size=2).tolist()}) for n in shape]
+        boxes = list(itertools.product(*[list(itertools.pairwise(c)) for c in cuts]))
+        change = rng.integers(5)
+        if change == 0 and len(boxes) > 1:
+            boxes.pop(int(rng.integers(len(boxes))))
+        elif change == 1:
+            boxes.append(boxes[int(rng.integers(len(boxes)))])
+        elif change == 2:
+            grown = [list(ab) for ab in boxes[int(rng.integers(len(boxes)))]]
+            grown[int(rng.integers(len(shape)))][1] += 1
+            boxes.append(tuple(map(tuple, grown)))
+        elif change == 3:
+            boxes.append(tuple((int(a), int(a + rng.integers(1, 3))) for a in
+                               rng.integers(0, max(shape), size=len(shape))))
+        order = rng.permutation(len(boxes))
+        boxes = [tuple(boxes[i]) for i in order]
+        assert (tiles(boxes, shape) is None) == _covered_once(boxes, shape), (shape, boxes)
+
+
+def test_tiles_of_many_column_pieces_finds_the_one_overlap():
+    # 4,096 pieces cut along columns only (every piece spans all rows): sorted by row
+    # they all meet, which a pairwise sweep takes quadratic time over
+    shape = (8, 4096)
+    boxes = [((0, 8), (c, c + 1)) for c in range(4096)]
+    assert tiles(boxes, shape) is None
+    assert tiles(boxes + [((3, 5), (2000, 2001))], shape) == \
+        "pieces 0:8,2000:2001 and 3:5,2000:2001 overlap"
+    assert "cover 32760 of 32768 elements" in tiles(boxes[:511] + boxes[512:], shape)
+
+
 def test_a_piece_held_by_replicas_is_written_once_spread_over_them():
     box, other = ((0, 4),), ((4, 8),)
     everyone = [(0, [("a", box, 100), ("b", box, 10)]),  # dp replicas of one stage

@@ -62,6 +62,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -197,12 +198,12 @@ def flat_name(dtype) -> str:
     return dtype.name if dtype.isnative else dtype.str
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Box ``[start, stop)`` of a tensor, in dataset ``dataset`` of file ``file``.
     ``at`` (version 3): its first element in the flat dataset; ``offset`` (version 2):
     where its dataset's bytes start in the file. Neither: the dataset holds the box,
-    or the global array, read through HDF5."""
+    or the global array, read through HDF5. (A named tuple: an index of a thousand
+    ranks holds a quarter of a million of them, made in a third of a dataclass's time.)"""
 
     file: str
     dataset: str
