@@ -176,6 +176,24 @@ def test_replayed_bubble_equals_theory_with_equal_stages(schedule, pp, m, v):
     assert closed == pytest.approx(makespan)
 
 
+@pytest.mark.parametrize("pp", [2, 3])
+def test_a_tied_table_adds_its_gradient_exchange_to_the_first_and_last_stage(pp):
+    # PipelineEngine._sum_tied_grads: the first and last stage swap the table's
+    # gradient (V x C float32 at tp 1) after the last backward; a middle stage does not
+    def cfg(tied):
+        return config.from_dict({"model": {**TINY, "n_layer": 3, "tie_embeddings": tied},
+                                 "parallel": {"pp": pp, "microbatches": 2},
+                                 "train": {"batch_size": 4}}).validate(pp)
+
+    plain, tied = (cost.estimate(cfg(t), cluster()) for t in (False, True))
+    table = GPT(cfg(True).model, seed=0).named_parameters()[0][1]
+    exchange = cluster().collective_time("p2p", 2, table.data.nbytes, False)
+    assert table.size == TINY["vocab_size"] * TINY["d_model"] and exchange > 0
+    for r0, r1 in zip(plain.ranks, tied.ranks, strict=True):
+        ends = r0.pp_rank in (0, pp - 1)
+        assert r1.time["p2p"] - r0.time["p2p"] == pytest.approx(exchange if ends else 0.0)
+
+
 def test_most_loaded_rank_is_named():
     e = cost.estimate(make(world=2, pp=2, microbatches=4), cluster())
     assert "pp rank 0" in e.bottleneck() and "2 microbatch cache(s)" in e.bottleneck()

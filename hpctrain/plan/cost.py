@@ -23,7 +23,11 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
 * pipeline: the schedule recorded (``timeline.record``) and replayed (``replay``)
   with each rank's chunk forward and backward times, each including the point-to-point
   transfer of its output; the bubble is what the replay leaves idle. The search's
-  first pass uses the closed form ``busy + (p - 1) max chunk (F + B)`` instead;
+  first pass uses the closed form ``busy + (p - 1) max chunk (F + B)`` instead. A
+  tied token table (``tie_embeddings``) lives on the first and the last stage, whose
+  gradients of it are summed after the last backward (``PipelineEngine``'s
+  ``_sum_tied_grads``, Megatron's embedding all-reduce): one exchange of ``V C / tp``
+  gradient elements between the two, added to both ranks' point-to-point time;
 * data parallelism, per step: the gradients of this rank summed over dp (ring
   all-reduce; ZeRO: reduce-scatter, then an all-gather of the updated parameters
   after the optimizer; hierarchical: a reduce-scatter in the node (the reduce), an
@@ -484,12 +488,14 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                              grad_sum=summed / cstream if cstream else 0.0))
 
     makespan, busy, ends = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
+    tied = tied_exchange_s(cluster, m, tp, s, world > rpn) if pp > 1 else 0.0
     ranks = []
     for r, info in enumerate(per_rank):
         times = chunk_times[r]
         compute = sum(mb * (f + b_) for f, b_, *_ in times.values()) + info["grad_sum"]
         tp_s = sum(mb * (cf + cb) for _, _, cf, cb, _, _ in times.values())
-        link = sum(mb * (lf + lb) for *_, lf, lb in times.values())
+        link = sum(mb * (lf + lb) for *_, lf, lb in times.values()) \
+            + (tied if r in (0, pp - 1) else 0.0)
         bubble = max(0.0, makespan - busy[r])
         hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
         cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter else 0.0
@@ -550,6 +556,15 @@ def predict_memory(cfg: Config, practice: Practice = HPCTRAIN) -> list[mem.Memor
     nominal = cluster_from_dict({"name": "nominal", "kinds": [kind], "links": links,
                                  "nodes": [{"kind": "nominal", "count": world}]})
     return [r.memory for r in estimate(cfg, nominal, practice=practice).ranks]
+
+
+def tied_exchange_s(cluster: Cluster, m: ModelConfig, tp: int, s: int, inter: bool) -> float:
+    """The first and the last stage's exchange of the tied token table's gradient
+    (``V C / tp`` elements of ``s`` bytes; ``inter``: the two stages on different
+    nodes); 0 when the table is not tied."""
+    if not m.tie_embeddings:
+        return 0.0
+    return cluster.collective_time("p2p", 2, s * m.vocab_size * m.d_model / tp, inter)
 
 
 def p2p_s(cluster: Cluster, nbytes: float, tp: int, sp: bool, inter: bool,
