@@ -12,6 +12,7 @@ import click
 
 from hpctrain import __version__
 from hpctrain.bench_cli import bench_command
+from hpctrain.check import check_command
 from hpctrain.ckpt_cli import ckpt
 from hpctrain.cluster.cli import cluster
 from hpctrain.crossval import cv_command
@@ -278,6 +279,7 @@ def config_overrides(options: dict, table_plan: str | None) -> dict:
 main.add_command(bench_command)
 main.add_command(calibrate_command)
 main.add_command(calibrate_tables_command)
+main.add_command(check_command)
 main.add_command(ckpt)
 main.add_command(cv_command)
 main.add_command(doctor_command)

@@ -1,0 +1,98 @@
+"""``hpctrain check``: a layout of the user's config against one rank, through the CLI
+under ``mpiexec`` on a tiny byte-level corpus. A correct layout is equal to one rank;
+a data-parallel sum broken on purpose (MPI.MAX for MPI.SUM) is caught and the job
+exits 1; what differs from one rank by design is refused by name."""
+
+import sys
+import textwrap
+
+import pytest
+
+from hpctrain.check import Comparison
+from hpctrain.testing import run_mpi, tiny_corpus_config
+
+CONFIG = textwrap.dedent("""
+    [model]
+    vocab_size = 256
+    seq_len = 16
+    n_layer = 2
+    n_head = 2
+    d_model = 16
+
+    [train]
+    steps = 100
+    batch_size = 4
+    warmup_steps = 1
+    eval_interval = 10
+    save_interval = 0
+
+    [data]
+    path = "{data}"
+""")
+
+# the check with the data-parallel gradient sum broken: MAX where the sum belongs
+BROKEN = textwrap.dedent("""
+    import sys
+    from mpi4py import MPI
+    from hpctrain.cli import main
+    from hpctrain.parallel import data
+
+    data.allreduce_launcher = lambda comm: (
+        lambda bucket, view: comm.Iallreduce(MPI.IN_PLACE, view, op=MPI.MAX))
+    main(["check", *sys.argv[1:]])
+""")
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    return tiny_corpus_config(tmp_path_factory.mktemp("check"), CONFIG,
+                              "to be, or not to be, that is the question.", 400)
+
+
+def check(config_file, *args, script=None):
+    command = [sys.executable, "-m", "hpctrain.cli", "check"] if script is None \
+        else [sys.executable, str(script)]
+    return run_mpi(2, [*command, "--config", str(config_file), *args], timeout=120)
+
+
+@pytest.mark.parametrize("layout", [[], ["--tp", "2", "--sequence-parallel"],
+                                    ["--pp", "2", "--microbatches", "2", "--zero", "1"]])
+def test_a_correct_layout_equals_one_rank(config_file, layout):
+    result = check(config_file, "--steps", "3", *layout)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"hpctrain check: {config_file} at ") and "(2 ranks)" in lines[0]
+    assert "3 steps in float64 (model dtype float32 -> float64)" in lines[0]
+    assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
+    assert lines[-1].startswith("equal to one rank: largest relative difference ")
+    assert float(lines[-1].split()[7]) <= 1e-12
+
+
+def test_a_broken_gradient_sum_is_caught(config_file, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text(BROKEN)
+    result = check(config_file, "--steps", "2", script=script)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "DIFFERS from one rank from step 1 on" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--averaging", "periodic"], "averaging ('periodic') trains each replica on its own"),
+    (["--pp", "2", "--microbatches", "2", "--pipeline-training", "local"],
+     "pipeline_training ('local') trains each stage on a loss of its own"),
+    (["--resume", "auto"], "--resume: check trains from scratch"),
+    (["--tpp", "2"], "No such option '--tpp'"),
+    (["--tp", "3"], "tp (3) must divide n_head (2)"),
+])
+def test_what_cannot_equal_one_rank_is_refused(config_file, args, message):
+    result = check(config_file, *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_verdict_names_the_first_step_beyond_the_tolerance():
+    c = Comparison([(2.0, 1.0), (1.5, 0.5), (1.2, 0.4)],
+                   [(2.0, 1.0), (1.5, 0.5 * (1 + 1e-6)), (1.3, 0.4)], rtol=1e-8)
+    assert c.first_beyond == 2 and c.largest == pytest.approx(0.1 / 1.2)
+    assert Comparison([(1.0, 1.0)], [(1.0, 1.0 + 1e-12)], rtol=1e-8).first_beyond is None
+    assert Comparison([(1.0, 1.0)], [(float("nan"), 1.0)], rtol=1e-8).first_beyond == 1
