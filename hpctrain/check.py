@@ -204,7 +204,7 @@ def check_command(config_path: str, steps: int, rtol: float, dtype: str,
       mpiexec -n 4 hpctrain check --config configs/gpt-shakespeare.toml --tp 2 --zero 1
       mpiexec -n 4 hpctrain check --config configs/gpt-shakespeare.toml --pp 2 \\
           --microbatches 4 --schedule interleaved --virtual-stages 2
-      mpiexec -n 2 hpctrain check --config configs/cnn-fashion-mnist.toml --sp 2
+      mpiexec -n 2 hpctrain check --config configs/seg3d-mni152.toml --sp 2 --steps 2
     """
     from mpi4py import MPI
 
