@@ -96,3 +96,10 @@ def test_the_verdict_names_the_first_step_beyond_the_tolerance():
     assert c.first_beyond == 2 and c.largest == pytest.approx(0.1 / 1.2)
     assert Comparison([(1.0, 1.0)], [(1.0, 1.0 + 1e-12)], rtol=1e-8).first_beyond is None
     assert Comparison([(1.0, 1.0)], [(float("nan"), 1.0)], rtol=1e-8).first_beyond == 1
+
+
+def test_float32_is_checked_at_its_own_tolerance(config_file):
+    result = check(config_file, "--steps", "2", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    first, last = result.stdout.splitlines()[0], result.stdout.splitlines()[-1]
+    assert first.endswith("2 steps in float32") and "(--rtol 0.0001)" in last
