@@ -153,10 +153,11 @@ def _wait_for(comm: Any) -> None:
         time.sleep(0.01)
 
 
-def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path | None
-            ) -> Comparison | None:
+def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path | None,
+            say=print) -> Comparison | None:
     """Train ``layout`` on every rank of ``comm``, then ``serial`` on rank 0 alone, in
-    run folders under ``folder`` (rank 0's); rank 0 returns the comparison."""
+    run folders under ``folder`` (rank 0's); rank 0 says how long each took and
+    returns the comparison."""
     from mpi4py import MPI
 
     from hpctrain.train import train
@@ -164,11 +165,13 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     rank = comm.Get_rank()
     folder = comm.bcast(folder)  # rank 0 writes the metrics; the others see one path
     runs = {k: folder / k for k in ("layout", "serial")}
-    train(replace(layout, train=replace(layout.train, run_dir=str(runs["layout"]))), comm,
-          quiet=True)
+    ran = train(replace(layout, train=replace(layout.train, run_dir=str(runs["layout"]))),
+                comm, quiet=True)
     if rank == 0:
-        train(replace(serial, train=replace(serial.train, run_dir=str(runs["serial"]))),
-              MPI.COMM_SELF, quiet=True)
+        say(f"the layout: {layout.train.steps} steps in {ran.seconds:.1f} s; now one rank")
+        ran = train(replace(serial, train=replace(serial.train, run_dir=str(runs["serial"]))),
+                    MPI.COMM_SELF, quiet=True)
+        say(f"one rank: {serial.train.steps} steps in {ran.seconds:.1f} s")
     _wait_for(comm)
     if rank != 0:
         return None
@@ -250,7 +253,7 @@ def check_command(config_path: str, steps: int, rtol: float | None, dtype: str,
                        f"{steps} steps in {dtype}" +
                        (f" ({'; '.join(changed)})" if changed else ""))
         try:
-            result = compare(layout, serial, comm, rtol, folder)
+            result = compare(layout, serial, comm, rtol, folder, click.echo)
         finally:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)

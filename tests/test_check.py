@@ -63,7 +63,9 @@ def test_a_correct_layout_equals_one_rank(config_file, layout):
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"hpctrain check: {config_file} at ") and "(2 ranks)" in lines[0]
     assert "3 steps in float64 (model dtype float32 -> float64)" in lines[0]
-    assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
+    assert lines[1].startswith("the layout: 3 steps in ") and lines[1].endswith("now one rank")
+    assert lines[2].startswith("one rank: 3 steps in ")
+    assert [line.split()[0] for line in lines[4:7]] == ["1", "2", "3"]
     assert lines[-1].startswith("equal to one rank: largest relative difference ")
     assert float(lines[-1].split()[7]) <= 1e-12
 
