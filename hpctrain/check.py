@@ -51,7 +51,7 @@ class Comparison:
 
     @staticmethod
     def relative(a: float, b: float) -> float:
-        if a == b:
+        if a == b or (math.isnan(a) and math.isnan(b)):  # both skipped alike: agreed
             return 0.0
         if not (math.isfinite(a) and math.isfinite(b)):
             return math.inf

@@ -98,6 +98,8 @@ def test_the_verdict_names_the_first_step_beyond_the_tolerance():
     assert c.first_beyond == 2 and c.largest == pytest.approx(0.1 / 1.2)
     assert Comparison([(1.0, 1.0)], [(1.0, 1.0 + 1e-12)], rtol=1e-8).first_beyond is None
     assert Comparison([(1.0, 1.0)], [(float("nan"), 1.0)], rtol=1e-8).first_beyond == 1
+    nan = float("nan")  # a step both runs skipped (non-finite) agrees
+    assert Comparison([(nan, nan)], [(nan, nan)], rtol=1e-8).first_beyond is None
 
 
 def test_float32_is_checked_at_its_own_tolerance(config_file):
