@@ -217,9 +217,10 @@ def tiles(boxes: list[Box], shape: tuple[int, ...]) -> str | None:
         if len(box) != len(shape):
             return f"piece {box_name(box)} lies outside the shape {shape}"
     n, d = len(boxes), len(shape)
-    if d == 0:  # scalars: one piece, or more that overlap
-        return None if n == 1 else f"pieces {box_name(())} and {box_name(())} overlap" \
-            if n else "the pieces cover 0 of 1 elements (a piece is missing)"
+    if d == 0:  # a scalar: one piece; two or more overlap, none misses it
+        if n == 0:
+            return "the pieces cover 0 of 1 elements (a piece is missing)"
+        return None if n == 1 else "pieces scalar and scalar overlap"
     ends = np.array(boxes, dtype=np.int64).reshape(n, d, 2)
     lo, hi = ends[:, :, 0], ends[:, :, 1]
     outside = ((lo < 0) | (hi > np.array(shape)) | (lo >= hi)).any(axis=1)
