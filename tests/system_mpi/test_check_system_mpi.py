@@ -3,25 +3,10 @@ after building mpi4py and h5py against the site's MPI: a 4-rank layout (tp 2, Ze
 dp 2) started by this MPI's own ``mpiexec`` trains as one rank does, in float64."""
 
 import sys
-import textwrap
 
-from hpctrain.testing import run_mpi, tiny_corpus_config
+from hpctrain.testing import run_mpi, tiny_corpus_config, tiny_gpt_template
 
-CONFIG = textwrap.dedent("""
-    [model]
-    vocab_size = 256
-    seq_len = 16
-    n_layer = 2
-    n_head = 2
-    d_model = 16
-
-    [train]
-    batch_size = 8
-    warmup_steps = 1
-
-    [data]
-    path = "{data}"
-""")
+CONFIG = tiny_gpt_template(train="batch_size = 8")
 
 
 def test_a_layout_under_this_mpi_equals_one_rank(tmp_path):
