@@ -235,9 +235,6 @@ def check_command(config_path: str, steps: int, rtol: float | None, dtype: str,
         if given:
             raise ConfigError(f"{', '.join(given)}: check trains from scratch, saves "
                               f"nothing and prints its own report")
-        if params.get("steps") is not None:
-            raise ConfigError("--steps is check's own option: give it before the "
-                              "layout's options")
         cfg = config_mod.load(config_path, config_overrides(params, params.get("table_plan")))
         cfg = cfg.validate(comm.Get_size())
         layout, serial, changed = prepare(cfg, steps, dtype)
