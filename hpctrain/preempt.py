@@ -6,7 +6,8 @@ SLURM sends SIGUSR1 before the time limit (``#SBATCH --signal=USR1@N``) or when 
 sets a flag, so the signal may arrive anywhere, even inside BLAS or MPI. At the end of
 every step the ranks agree with one tiny all-reduce: if any rank was signalled, all
 of them save and stop after the *same* step, and ``hpctrain train`` exits with
-``EXIT_PREEMPTED`` so the batch script knows to requeue.
+``EXIT_PREEMPTED`` so the batch script knows to requeue. A signal during start-up
+(agreed once before the first step) stops the run before it, with nothing to save.
 
 Ctrl-C (SIGINT; ``mpiexec`` passes it to every rank) stops the same way, after the
 step, with a checkpoint, but exits with ``runtime.EXIT_INTERRUPTED`` (130, the shell's

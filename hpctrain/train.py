@@ -425,7 +425,12 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     stop, step = 0, first - 1
     watch = watchdog.start(topo, loop.tracer, t.stall_timeout)  # each step and the gap after
     try:
-        for step in range(first, t.steps + 1):
+        steps = range(first, t.steps + 1)
+        stop = preempt.agreed(comm) if steps else 0  # signalled during start-up
+        if stop:
+            loop.stop_at_start(stop)
+            steps = range(0)
+        for step in steps:
             record = loop.step(step)
             if val is not None and (step % t.eval_interval == 0 or step == t.steps):
                 loop.evaluate(step, val, record)
@@ -459,6 +464,13 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     topo.free()
     return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted,
                    bool(stop & preempt.INTERRUPTED))
+
+
+def _stopped_by(stop: int) -> str:
+    """What stopped the run (``stop``: ``preempt.agreed``'s bits), for its last line."""
+    if stop & preempt.INTERRUPTED:
+        return "interrupted (Ctrl-C)"
+    return f"preempted ({preempt.signal_name() or 'signal on another rank'})"
 
 
 class _Loop:
@@ -584,6 +596,12 @@ class _Loop:
         saved = _wait_for_save(self.background, self.writer) and saved  # it lands first
         if self.writer is not None:
             what = "checkpoint saved" if saved else "no checkpoint (the state is not finite)"
-            why = ("interrupted (Ctrl-C)" if stop & preempt.INTERRUPTED else
-                   f"preempted ({preempt.signal_name() or 'signal on another rank'})")
-            self.writer.say(f"{why} after step {step}: {what}; resume with --resume auto")
+            self.writer.say(f"{_stopped_by(stop)} after step {step}: {what}; resume with "
+                            f"--resume auto")
+
+    def stop_at_start(self, stop: int) -> None:
+        """A signal came during start-up: stop before the first step, with nothing to
+        save (a resumed run's checkpoint is still the latest)."""
+        if self.writer is not None:
+            self.writer.say(f"{_stopped_by(stop)} during start-up: no step trained, nothing "
+                            f"saved")

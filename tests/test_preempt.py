@@ -143,3 +143,27 @@ def test_a_ctrl_c_ignored_from_the_start_stays_ignored():
                             timeout=60,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert result.returncode == 0 and result.stdout.split() == ["alive", "False"], result
+
+
+def test_ctrl_c_during_start_up_stops_before_any_step_and_saves_nothing(tmp_path):
+    # signalled before the loop (a long start-up: data, a checkpoint, compiling): no step
+    # is trained only to be saved, which would leave checkpoints a fresh rerun refuses
+    cfg = prepare(tmp_path)
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from hpctrain import preempt\n"
+        "from hpctrain.cli import main\n"
+        "preempt.install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "main(sys.argv[1:])\n")
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, str(script), "train", "--config", str(cfg),
+                             "--run-dir", str(run), "--save-interval", "5"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 130, result.stderr
+    assert "interrupted (Ctrl-C) during start-up: no step trained, nothing saved" \
+        in result.stdout, result.stdout
+    assert not (run / "checkpoints").exists()
+    assert [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == []
