@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -146,13 +145,6 @@ def _records(run_dir: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-def _wait_for(comm: Any) -> None:
-    """Wait for the other ranks without spinning a core (rank 0's serial run needs it)."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.01)
-
-
 def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path | None,
             say=print) -> Comparison | None:
     """Train ``layout`` on every rank of ``comm``, then ``serial`` on rank 0 alone, in
@@ -160,6 +152,7 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     returns the comparison."""
     from mpi4py import MPI
 
+    from hpctrain.checkpoint.writer import arrive
     from hpctrain.train import train
 
     rank = comm.Get_rank()
@@ -172,7 +165,7 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
         ran = train(replace(serial, train=replace(serial.train, run_dir=str(runs["serial"]))),
                     MPI.COMM_SELF, quiet=True)
         say(f"one rank: {serial.train.steps} steps in {ran.seconds:.1f} s")
-    _wait_for(comm)
+    arrive(comm)  # the others wait without spinning a core: rank 0's serial run needs it
     if rank != 0:
         return None
     return Comparison(_records(runs["serial"]), _records(runs["layout"]), rtol)
@@ -214,7 +207,7 @@ def check_command(config_path: str, steps: int, rtol: float | None, dtype: str,
     from mpi4py import MPI
 
     from hpctrain import config as config_mod
-    from hpctrain.cli import config_overrides, train
+    from hpctrain.cli import config_overrides, train_params
     from hpctrain.runtime import abort_on_error, startup_check
 
     comm = MPI.COMM_WORLD
@@ -223,14 +216,8 @@ def check_command(config_path: str, steps: int, rtol: float | None, dtype: str,
         rtol = RTOL[dtype]
 
     def setup():
-        try:
-            params = train.make_context("train", ["--config", config_path,
-                                                  *layout_options]).params
-        except click.ClickException as err:
-            raise ConfigError(f"{err.format_message()} (hpctrain train --help lists the "
-                              f"options)") from None
-        except click.exceptions.Exit:
-            raise ConfigError("--help is check's own: hpctrain check --help") from None
+        params = train_params(list(layout_options),
+                              on_help="--help is check's own: hpctrain check --help")
         given = [flag for key, flag in REFUSED.items() if params.get(key)]
         if given:
             raise ConfigError(f"{', '.join(given)}: check trains from scratch, saves "

@@ -15,6 +15,7 @@ from hpctrain.bench_cli import bench_command
 from hpctrain.check import check_command
 from hpctrain.ckpt_cli import ckpt
 from hpctrain.cluster.cli import cluster
+from hpctrain.config import ConfigError
 from hpctrain.crossval import cv_command
 from hpctrain.doctor import doctor_command
 from hpctrain.plan.calibrate import calibrate_command
@@ -262,6 +263,21 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
         sys.exit(EXIT_INTERRUPTED)  # a Ctrl-C: stopped and saved, not requeued
     if summary.preempted:
         sys.exit(preempt.EXIT_PREEMPTED)  # the batch script requeues the job
+
+
+def train_params(args: list[str], where: str = "",
+                 on_help: str = "holds no training run's options") -> dict:
+    """``hpctrain train``'s option words ``args`` parsed by its own parser (the config
+    path aside): its parameters, or a ConfigError prefixed by ``where`` (``on_help``
+    for a ``--help`` among them)."""
+    prefix = f"{where}: " if where else ""
+    try:
+        return train.make_context("train", ["--config", "-", *args]).params
+    except click.ClickException as err:
+        raise ConfigError(f"{prefix}{err.format_message()} (hpctrain train --help lists "
+                          f"the options)") from None
+    except click.exceptions.Exit:  # --help
+        raise ConfigError(f"{prefix}{on_help}") from None
 
 
 def config_overrides(options: dict, table_plan: str | None) -> dict:

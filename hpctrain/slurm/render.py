@@ -92,9 +92,7 @@ def train_overrides(train_args: str) -> dict:
     """The config overrides of ``--train-args``, read by ``hpctrain train``'s own option
     parser and split into words as the job script's shell splits them, so that a
     misspelt option or a bad value fails now rather than when the job starts."""
-    import click
-
-    from hpctrain.cli import config_overrides, train
+    from hpctrain.cli import config_overrides, train_params
 
     args = train_args.split()
     where = f"--train-args ({train_args!r})"
@@ -102,13 +100,7 @@ def train_overrides(train_args: str) -> dict:
     if own is not None:
         raise ConfigError(f"{where}: {own.split('=')[0]} is the job's own option: give it "
                           f"to render (--dp, --tp, --pp, --config), not in --train-args")
-    try:
-        params = train.make_context("train", ["--config", "-", *args]).params
-    except click.ClickException as err:
-        raise ConfigError(f"{where}: {err.format_message()} (hpctrain train --help lists "
-                          f"the options)") from None
-    except click.exceptions.Exit:  # --help
-        raise ConfigError(f"{where}: holds no training run's options") from None
+    params = train_params(args, where)
     return config_overrides(params, params.get("table_plan"))
 
 
