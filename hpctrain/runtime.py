@@ -15,11 +15,19 @@ Three kinds of failure, three mechanisms:
 * **Errors the ranks agreed on** in a collective (``CollectiveError``: the run diverged,
   ``hpctrain.guard``): every rank raises it in the same step, rank 0 prints it once and
   all exit with its status, without an abort.
+
+And one way to end: ``finalize_on_exit`` ends MPI when every rank is done, but exits
+with the command's status if ``MPI_Finalize`` does not return (UCX's TCP transport can
+hang there, DEVELOPERS.md), so that a finished or preempted job does not sit in its
+allocation until the time limit.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -30,6 +38,10 @@ T = TypeVar("T")
 EXIT_USER_ERROR = 2
 EXIT_CRASH = 1
 EXIT_INTERRUPTED = 130  # a Ctrl-C, as a shell reports it
+# seconds MPI_Finalize may take once every rank has arrived (a site can set its own)
+FINALIZE_TIMEOUT_ENV = "HPCTRAIN_FINALIZE_TIMEOUT_S"
+FINALIZE_TIMEOUT_S = 30.0
+FINALIZE_SETTLE_S = 0.1
 
 
 class UserError(Exception):
@@ -198,3 +210,91 @@ def find_mpiexec() -> str:
         raise UserError("no mpiexec beside this Python or on PATH: run `make install` (it "
                         "brings MPICH into .venv) or install the 'mpich' extra")
     return found
+
+
+def exit_status(code: Any) -> int:
+    """The process status ``sys.exit(code)`` gives: None 0, an int itself, else 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def finalize_timeout() -> float:
+    """``HPCTRAIN_FINALIZE_TIMEOUT_S`` (seconds, > 0), else ``FINALIZE_TIMEOUT_S``."""
+    text = os.environ.get(FINALIZE_TIMEOUT_ENV)
+    if text is None:
+        return FINALIZE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"{FINALIZE_TIMEOUT_ENV} ({text!r}) must be a number of seconds > 0")
+    return value
+
+
+@contextmanager
+def finalize_on_exit(timeout: float | None = None):
+    """End MPI on the way out of a program, within ``timeout`` seconds, if the program
+    started it (``hpctrain``'s entry point, ``cli.run``; mpi4py imported and initialized).
+
+    On a normal return or a ``SystemExit`` (every way an hpctrain command ends other
+    than ``MPI_Abort``, and one all ranks take together), the ranks meet in a barrier,
+    pause ``FINALIZE_SETTLE_S`` and call ``MPI_Finalize`` with the GIL released
+    (through ctypes; mpi4py's own ``Finalize`` holds it), while a thread waits: if it
+    has not returned after ``timeout`` seconds, the rank says so and leaves with the
+    command's status (``os._exit``). The ranks still inside the finalize leave the same
+    way when their own time is up. Without this a job whose work is done and saved can
+    stay in its allocation until the time limit (UCX 1.13's TCP transport sometimes
+    never finishes closing its endpoints; DEVELOPERS.md). Any other exception passes
+    through untouched (mpi4py finalizes at exit as before)."""
+    if timeout is None:
+        try:
+            timeout = finalize_timeout()
+        except UserError as err:  # before any command ran: nothing collective yet
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+    status = 0
+    try:
+        yield
+    except SystemExit as exc:
+        status = exit_status(exc.code)
+        _finalize_within(status, timeout)
+        raise
+    _finalize_within(status, timeout)
+
+
+def _finalize_within(status: int, timeout: float) -> None:
+    if "mpi4py.MPI" not in sys.modules:  # the command never started MPI
+        return
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    comm = MPI.COMM_WORLD
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # every rank done, then a pause before the teardown: ranks that reach MPI_Finalize
+    # at different times, or straight from a barrier, made UCX 1.13's TCP transport
+    # hang there in 9 of 10 4-rank jobs; with 20 ms between, none (DEVELOPERS.md)
+    comm.Barrier()
+    time.sleep(FINALIZE_SETTLE_S)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    returned = threading.Event()
+
+    def watch() -> None:
+        if returned.wait(timeout):
+            return
+        prefix = f"[rank {rank}] " if size > 1 else ""
+        os.write(2, f"{prefix}MPI_Finalize has not returned after {timeout:g} s; exiting "
+                    f"with status {status} without it (the command's work is done; "
+                    f"{FINALIZE_TIMEOUT_ENV} sets the wait)\n".encode())
+        os._exit(status)
+
+    threading.Thread(target=watch, name="hpctrain-finalize", daemon=True).start()
+    import ctypes
+
+    # MPI.so's handle finds MPI_Finalize in the MPI library it links against; a ctypes
+    # call releases the GIL, so the thread above can act while this one waits
+    ctypes.CDLL(MPI.__file__).MPI_Finalize()
+    returned.set()

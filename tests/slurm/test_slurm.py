@@ -10,6 +10,11 @@ allocation for the pip MPICH, see DEVELOPERS.md) and on one node with ``srun
 --mpi=pmi2``, and a two-node training job preempted with ``scancel --signal=USR1`` that
 must requeue itself, resume from its checkpoint and end with the loss curve of an
 uninterrupted run.
+
+The jobs run the hpctrain, hpctrain-prep and mpiexec of the venv that runs pytest: the
+pip MPICH's in ``make test-cluster``; Debian's MPICH or Open MPI in ``make
+test-system-mpi``, which names it in ``HPCTRAIN_EXPECT_MPI`` (``LAUNCHERS`` below: what
+the template's automatic launcher takes for each).
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ seed = 7
 path = "{data}"
 """
 
+
+# the MPI of this venv -> the launcher train.sbatch's LAUNCHER=auto takes on (one node,
+# two nodes): srun --mpi=pmi2 where the MPI starts under it, but the pip MPICH across
+# nodes and Open MPI (Debian's 4.1.4 starts under neither pmi2 nor pmix) take mpiexec
+LAUNCHERS = {"pip-mpich": ("srun", "mpiexec"), "mpich": ("srun", "srun"),
+             "openmpi": ("mpiexec", "mpiexec")}
+MPI_NAME = os.environ.get("HPCTRAIN_EXPECT_MPI", "pip-mpich")
+ONE_NODE, TWO_NODES = LAUNCHERS[MPI_NAME]
+# the preempted run's steps: the tiny model takes about 5 ms a step at 2 ranks on each
+# one-core node with the pip MPICH, 30-70 ms with Debian's MPICH or Open MPI (their
+# waits poll the network, and two ranks share a core capped by its cgroup)
+PREEMPT_STEPS = {"pip-mpich": 2000, "mpich": 300, "openmpi": 300}
 
 SPEC = spec_mod.build({"name": "hpctslm", "subnet": "10.216.0.0/24", "link": "1gbit",
                        "slurm": True, "slurm_cpus": 4, "nodes": [{"count": 2, "cores": 1}]})
@@ -146,7 +163,7 @@ def test_chain_runs_train_after_prep_and_exit_codes_propagate(cluster, tmp_path)
     log = (tmp_path / f"hpctrain-train-{train_id}.out").read_text()
     assert fields["JobState"] == "COMPLETED", log
     assert "layout: 4 ranks = 1 node(s) x 4" in log
-    assert "launcher: srun (auto)" in log  # one node: srun --mpi=pmi2
+    assert f"launcher: {ONE_NODE} (auto)" in log, log
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == \
         list(range(1, 7))
     # a failing run must show FAILED, not COMPLETED: a config the model refuses
@@ -158,9 +175,9 @@ def test_chain_runs_train_after_prep_and_exit_codes_propagate(cluster, tmp_path)
 
 def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster, text_data,
                                                                         tmp_path):
-    # about 10 s of training at the tiny model's 5 ms a step, so that the signal, sent
-    # after step 8, lands mid-run (600 steps, 3 s, once lost that race under load)
-    steps = 2000
+    # about 10 s of training or more, so that the signal, sent after step 8, lands
+    # mid-run (600 steps, 3 s, once lost that race under load)
+    steps = PREEMPT_STEPS[MPI_NAME]
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_GPT.format(steps=steps, data=text_data))
     common = [f"--chdir={tmp_path}", "--nodes=2", "--ntasks-per-node=2"]
@@ -198,12 +215,13 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
 
 def test_one_job_across_two_nodes_and_srun_on_one(cluster, emulated, text_data, tmp_path):
     """The same training across both nodes (the template's automatic launcher, which is
-    mpiexec for the pip MPICH across nodes) and on one node with srun --mpi=pmi2."""
+    mpiexec for the pip MPICH across nodes) and on one node with srun --mpi=pmi2 (with
+    mpiexec for an MPI that does not start under srun)."""
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_GPT.format(steps=6, data=text_data))
     sent_before = [net.link_bytes(emulated.spec, n)[0] for n in emulated.spec.nodes]
     curves = {}
-    for name, nodes, per_node, launcher in (("two", 2, 2, "auto"), ("one", 1, 4, "srun")):
+    for name, nodes, per_node, launcher in (("two", 2, 2, "auto"), ("one", 1, 4, ONE_NODE)):
         job = sbatch(cluster, "train.sbatch", f"--chdir={tmp_path}", f"--nodes={nodes}",
                      f"--ntasks-per-node={per_node}", CONFIG=cfg, RUN_DIR=tmp_path / name,
                      LAUNCHER=launcher, TRAIN_ARGS="--tp 2")
@@ -215,7 +233,7 @@ def test_one_job_across_two_nodes_and_srun_on_one(cluster, emulated, text_data, 
         curves[name] = [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")]
         if nodes == 2:
             assert fields["NodeList"] == "hpctslm[0-1]", fields
-            assert "launcher: mpiexec (auto)" in log, log
+            assert f"launcher: {TWO_NODES} (auto)" in log, log
     # the same layout (dp 2, tp 2) computes the same losses on one node and on two; the
     # sums may differ in the last bits, as the collectives' algorithms depend on placement
     assert len(curves["two"]) == 6

@@ -1,0 +1,33 @@
+"""A job for ``test_finalize.py``: every rank ends through ``runtime.finalize_on_exit``
+with ``sys.exit(STATUS)``, but the rank named by ``--late`` reaches ``MPI_Finalize``
+only ``--sleep`` seconds after the others (it meets them in their barrier, then
+sleeps).
+MPI_Finalize waits for every rank, so the others' finalize cannot return in time: a
+real finalize that does not return, nothing of MPI replaced.
+
+    mpiexec -n 2 python tests/finalize_job.py --timeout 2 --late 1 --sleep 60 --status 7
+"""
+
+import argparse
+import sys
+import time
+
+from mpi4py import MPI
+
+from hpctrain import runtime
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--timeout", type=float, required=True)
+parser.add_argument("--late", type=int, default=-1, help="this rank finalizes late")
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--status", type=int, default=0)
+args = parser.parse_args()
+comm = MPI.COMM_WORLD
+if comm.Get_rank() == args.late:
+    comm.Barrier()  # the barrier of finalize_on_exit
+    print(f"rank {args.late} late by {args.sleep:g} s", file=sys.stderr, flush=True)
+    time.sleep(args.sleep)
+    MPI.Finalize()
+    sys.exit(args.status)
+with runtime.finalize_on_exit(timeout=args.timeout):
+    sys.exit(args.status)

@@ -1,0 +1,55 @@
+"""``runtime.finalize_on_exit``: a job whose work is done ends even when MPI_Finalize
+does not return, with the command's status and a line that says why.
+
+Under ``mpiexec`` (serial suite: each test starts its own job). ``finalize_job.py``
+makes one rank reach MPI_Finalize late; the others' finalize waits for it, as it waits
+for a rank stuck in UCX's TCP teardown (DEVELOPERS.md). Without the bound the job lasts
+as long as the late rank sleeps, past the test's timeout."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain.runtime import FINALIZE_TIMEOUT_ENV, exit_status
+from hpctrain.testing import run_mpi
+
+JOB = Path(__file__).with_name("finalize_job.py")
+
+
+def test_a_finalize_that_does_not_return_ends_the_job_with_its_status():
+    start = time.monotonic()
+    result = run_mpi(2, [sys.executable, str(JOB), "--timeout", "2", "--late", "1",
+                         "--sleep", "120", "--status", "3"], timeout=60)
+    took = time.monotonic() - start
+    assert "rank 1 late by 120 s" in result.stderr, result.stderr
+    assert ("[rank 0] MPI_Finalize has not returned after 2 s; exiting with status 3 "
+            "without it") in result.stderr, result.stderr
+    assert result.returncode == 3, result.stderr  # preempted: the job script requeues
+    assert took < 30, took
+
+
+def test_a_finalize_that_returns_keeps_the_status_and_says_nothing():
+    for status in (0, 3):
+        result = run_mpi(2, [sys.executable, str(JOB), "--timeout", "20",
+                             "--status", str(status)], timeout=60)
+        assert result.returncode == status, result.stderr
+        assert "MPI_Finalize" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5"])
+def test_a_bad_finalize_timeout_is_refused_by_name(tmp_path, value):
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("hpctrain")), "train", "--config",
+         str(tmp_path / "none.toml")], capture_output=True, text=True, timeout=60,
+        env={**os.environ, FINALIZE_TIMEOUT_ENV: value})
+    assert result.returncode == 2, result.stderr
+    assert (f"error: {FINALIZE_TIMEOUT_ENV} ({value!r}) must be a number of seconds > 0"
+            in result.stderr), result.stderr
+
+
+def test_exit_status_as_python_gives_it():
+    assert [exit_status(c) for c in (None, 0, 3, 130, "a message")] == [0, 0, 3, 130, 1]
