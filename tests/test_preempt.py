@@ -35,11 +35,19 @@ def prepare(tmp_path):
                               400)
 
 
+def as_from_a_terminal() -> None:
+    """A child's SIGINT as a terminal's foreground job has it: the default. A suite
+    started in the background by a shell without job control (``make test &``)
+    passes SIGINT on ignored, and an ignored SIGINT stays ignored (tested below)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(cfg, run_dir, *extra):
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", "--config",
            str(cfg), "--run-dir", str(run_dir), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=as_from_a_terminal)
 
 
 def test_sigusr1_checkpoints_exits_3_and_resume_equals_uninterrupted(tmp_path):
@@ -126,7 +134,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
         "    time.sleep(30)\n"
         "print('not stopped')\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=60, preexec_fn=as_from_a_terminal)
     assert result.returncode == 130, result
     assert result.stdout.split() == ["agreed", "2"], result  # preempt.INTERRUPTED
     assert result.stderr.strip().splitlines()[-1] == "interrupted", result
@@ -161,7 +169,8 @@ def test_ctrl_c_during_start_up_stops_before_any_step_and_saves_nothing(tmp_path
     result = subprocess.run([sys.executable, str(script), "train", "--config", str(cfg),
                              "--run-dir", str(run), "--save-interval", "5"],
                             capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=as_from_a_terminal)
     assert result.returncode == 130, result.stderr
     assert "interrupted (Ctrl-C) during start-up: no step trained, nothing saved" \
         in result.stdout, result.stdout
