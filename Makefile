@@ -203,9 +203,10 @@ install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py a
 test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the SLURM suite, under that MPI
 	@$(CHECK_MPI)
 	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
-	@echo "== system $(MPI): serial checks (tests/system_mpi)"
+	@echo "== system $(MPI): serial checks (tests/system_mpi; jobs that stall, end or are signalled)"
 	@$(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) timeout $(MPI_RUN_TIMEOUT) \
-	  $(SYS_VENV)/bin/python -m pytest tests/system_mpi --ignore=tests/system_mpi/mpi -q \
+	  $(SYS_VENV)/bin/python -m pytest tests/system_mpi --ignore=tests/system_mpi/mpi \
+	  tests/test_watchdog_jobs.py tests/test_preempt.py tests/test_finalize.py -q \
 	  -p no:cacheprovider --timeout=$(TEST_TIMEOUT)
 	@for n in $(SYS_RANKS); do \
 	  echo "== system $(MPI): MPI suite and mpio tests at $$n ranks"; \

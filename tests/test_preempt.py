@@ -101,6 +101,11 @@ def test_ctrl_c_checkpoints_exits_130_and_the_run_resumes(tmp_path):
         time.sleep(0.05)
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=60)
+    if os.environ.get("HPCTRAIN_EXPECT_MPI") == "openmpi":
+        # the system-MPI leg: Open MPI's mpirun turns Ctrl-C into SIGTERM and SIGKILLs
+        # the ranks a second later (README, DEVELOPERS.md); the job must still end
+        assert job.returncode not in (0, 130), (job.returncode, err)
+        return
     assert job.returncode == 130, err
     assert err.count("interrupt: stopping after this step with a checkpoint") == 1, err
     assert "Traceback" not in err
