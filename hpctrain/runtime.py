@@ -41,7 +41,7 @@ EXIT_INTERRUPTED = 130  # a Ctrl-C, as a shell reports it
 # seconds MPI_Finalize may take once every rank has arrived (a site can set its own)
 FINALIZE_TIMEOUT_ENV = "HPCTRAIN_FINALIZE_TIMEOUT_S"
 FINALIZE_TIMEOUT_S = 30.0
-FINALIZE_SETTLE_S = 0.1
+FINALIZE_SETTLE_S = 0.1  # seconds between the ranks' last barrier and MPI_Finalize
 
 
 class UserError(Exception):

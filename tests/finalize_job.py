@@ -1,9 +1,8 @@
 """A job for ``test_finalize.py``: every rank ends through ``runtime.finalize_on_exit``
 with ``sys.exit(STATUS)``, but the rank named by ``--late`` reaches ``MPI_Finalize``
 only ``--sleep`` seconds after the others (it meets them in their barrier, then
-sleeps).
-MPI_Finalize waits for every rank, so the others' finalize cannot return in time: a
-real finalize that does not return, nothing of MPI replaced.
+sleeps). MPI_Finalize waits for every rank, so the others' finalize cannot return in
+time: a real finalize that does not return, nothing of MPI replaced.
 
     mpiexec -n 2 python tests/finalize_job.py --timeout 2 --late 1 --sleep 60 --status 7
 """
