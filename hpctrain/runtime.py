@@ -260,6 +260,7 @@ def finalize_on_exit(timeout: float | None = None):
     except SystemExit as exc:
         status = exit_status(exc.code)
         _finalize_within(status, timeout)
+        keep_status_for_hydra(status)
         raise
     _finalize_within(status, timeout)
 
@@ -289,6 +290,7 @@ def _finalize_within(status: int, timeout: float) -> None:
         os.write(2, f"{prefix}MPI_Finalize has not returned after {timeout:g} s; exiting "
                     f"with status {status} without it (the command's work is done; "
                     f"{FINALIZE_TIMEOUT_ENV} sets the wait)\n".encode())
+        keep_status_for_hydra(status)
         os._exit(status)
 
     threading.Thread(target=watch, name="hpctrain-finalize", daemon=True).start()
@@ -298,3 +300,31 @@ def _finalize_within(status: int, timeout: float) -> None:
     # call releases the GIL, so the thread above can act while this one waits
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     returned.set()
+
+
+def keep_status_for_hydra(status: int) -> None:
+    """Make MPICH's ``mpiexec`` (hydra) report this rank's non-zero exit status.
+
+    Hydra before MPICH 4.1 (Debian 12's and Ubuntu 22.04's 4.0) reports 0 for a rank
+    that exits after ``mpiexec`` passed it a signal (Ctrl-C's SIGINT, a preemption's
+    SIGUSR1) unless its proxy collected the status while some rank's output was still
+    open: a signal passed on marks the job "forced cleanup", and the statuses collected
+    after the last output closed are then taken as 0 (pmodels/mpich#5930 removed that).
+    The rank's output closes as it exits, a moment before the kernel has the status, so
+    a preempted job often ended with 0 instead of 3 and was not requeued. A shell child
+    holds this rank's stdout and stderr until the rank is a zombie (``/proc``), then
+    exits: their closing wakes the proxy, which collects the real status. Only under
+    hydra (``MPI_LOCALNRANKS`` set) and for a non-zero status; costs one ``sh``."""
+    proc_stat = f"/proc/{os.getpid()}/stat"
+    if status == 0 or "MPI_LOCALNRANKS" not in os.environ or not os.path.exists(proc_stat):
+        return
+    import subprocess
+
+    # the state is the field after the command name's closing parenthesis; at most 10 s
+    script = ('i=0; while [ "$i" -lt 500 ]; do '
+              f's=$(sed "s/.*) //" {proc_stat} 2>/dev/null | cut -c1); '
+              'case "$s" in Z|"") exit 0;; esac; sleep 0.02; i=$((i + 1)); done')
+    try:
+        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL)
+    except OSError:  # no shell: the status may be lost, as without this
+        pass
