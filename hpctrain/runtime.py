@@ -311,7 +311,8 @@ def keep_status_for_hydra(status: int) -> None:
     open: a signal passed on marks the job "forced cleanup", and the statuses collected
     after the last output closed are then taken as 0 (pmodels/mpich#5930 removed that).
     The rank's output closes as it exits, a moment before the kernel has the status, so
-    a preempted job often ended with 0 instead of 3 and was not requeued. A shell child
+    a job signalled through ``mpiexec`` often ended with 0 instead of 3 (preempted: not
+    requeued) or 130. A shell child
     holds this rank's stdout and stderr until the rank is a zombie (``/proc``), then
     exits: their closing wakes the proxy, which collects the real status. Only under
     hydra (``MPI_LOCALNRANKS`` set) and for a non-zero status; costs one ``sh``."""
