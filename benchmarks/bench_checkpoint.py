@@ -49,6 +49,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -255,6 +256,18 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
             out["steps"].append(n)
         return out
 
+    shared = {}
+    if topo.dp_size > 1:  # checkpoint_read "shared": the replicas read 1/dp each
+        cfg_shared = replace(cfg, train=replace(cfg.train, checkpoint_read="shared"))
+
+        def load_shared():
+            shared["resumed"] = load_training(saved["path"], cfg_shared, topo, engine, dp,
+                                              root=root)
+
+        shared["warm"] = interleaved(comm, load_shared, load, repeats)
+        shared["cold"] = interleaved(comm, load_shared, load, repeats,
+                                     setup=lambda: evict([saved["path"]]))
+        shared["read"] = comm.allreduce(shared["resumed"].bytes_read, op=MPI.MAX)
     r = stall_of(BackgroundWriter(topo.ckpt_comm, overlap=True))
     med = statistics.median
     loaded = comm.allreduce(held_bytes)
@@ -291,6 +304,12 @@ def main(layers, d_model, heads, vocab, tp, pp, zero, folder, repeats, pairs, st
               f"before_update {med(r['wait']):.4f} s; in the background: snapshot "
               f"{med(r['copy']):.3f} s, whole write {med(r['write']):.3f} s; extra CPU of "
               f"the process {med(r['cpu']):.3f} s (the slowest rank)")
+        if shared:
+            (sw, ew), (sc, ec) = shared["warm"], shared["cold"]
+            print(f"load, shared reads (checkpoint_read \"shared\"): the slowest rank read "
+                  f"{shared['read'] / mb:.1f} MB of its {held_bytes / mb:.1f} MB from the "
+                  f"files, the rest from its replicas; warm {sw:.3f} s against {ew:.3f} s "
+                  f"each reading all, cold {sc:.3f} s against {ec:.3f} s")
         print(f"blocksum64  {t_sum:7.3f} s  {loaded / mb / t_sum:8.1f} MB/s   (the checksum, of "
               f"what a load reads, once: part of both save and load)")
         print(f"sha256      {t_sha:7.3f} s  {loaded / mb / t_sha:8.1f} MB/s   (the checksum "

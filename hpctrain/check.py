@@ -37,6 +37,7 @@ RTOL = {"float64": 1e-8, "float32": 1e-4}  # --rtol's default for each --dtype
 REFUSED = {"resume": "--resume", "reset_schedule": "--reset-schedule",
            "trace_path": "--trace", "save_interval": "--save-interval", "keep": "--keep",
            "async_save": "--async-save", "checkpoint_io": "--checkpoint-io",
+           "checkpoint_read": "--checkpoint-read",
            "memory_report": "--memory-report", "run_dir": "--run-dir", "quiet": "--quiet"}
 
 

@@ -55,6 +55,7 @@ OVERRIDES = {
     "keep": "train.keep_checkpoints",
     "async_save": "train.async_save",
     "checkpoint_io": "train.checkpoint_io",
+    "checkpoint_read": "train.checkpoint_read",
     "stall_timeout": "train.stall_timeout",
     "max_skipped_steps": "train.max_skipped_steps",
     "recompute": "train.recompute",
@@ -165,6 +166,11 @@ def _int_list(value: str, name: str) -> list[int]:
               help="Checkpoint data as one file per rank (files), one shared file written "
                    "through MPI-IO (mpio: needs h5py built with MPI), or mpio when h5py has "
                    "MPI and the job several ranks (auto, the default).")
+@click.option("--checkpoint-read", type=click.Choice(["each", "shared"]),
+              help="On resume, every rank reads all the checkpoint data it holds (each, the "
+                   "default), or data-parallel replicas read 1/n of what they hold alike "
+                   "and exchange the rest over MPI (shared: n times fewer bytes from a "
+                   "parallel file system).")
 @click.option("--stall-timeout", type=float, metavar="SECONDS",
               help="Abort the job, naming the late ranks and what the others wait in, when a "
                    "step takes longer than this (0: never; default 300).")

@@ -222,6 +222,10 @@ class TrainConfig:
     # checkpoint data: "files" (one per rank), "mpio" (one shared file through MPI-IO:
     # h5py built with MPI), "auto" (mpio when h5py has MPI and the job several ranks)
     checkpoint_io: str = "auto"
+    # how a resume reads checkpoint data that data-parallel replicas hold alike: "each"
+    # (every rank reads all it holds) or "shared" (each replica reads 1/n of it, the
+    # replicas exchange the rest over MPI: n times fewer bytes from the file system)
+    checkpoint_read: str = "each"
     # activation recomputation (hpctrain.parallel.recompute): "none", "full" (keep each
     # piece's input, run its forward again in backward), "selective" (attention's
     # probabilities and their weighted sum) or "attention" (selective, and q, k, v from
@@ -479,6 +483,7 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
     _require(t.keep_checkpoints >= 1,
              f"keep_checkpoints ({t.keep_checkpoints}) must be at least 1")
     _require_choice("checkpoint_io", t.checkpoint_io, ("auto", "mpio", "files"))
+    _require_choice("checkpoint_read", t.checkpoint_read, ("each", "shared"))
     if t.checkpoint_io == "mpio":
         from hpctrain.checkpoint.writer import MPIO_REMEDY, mpio_missing
 

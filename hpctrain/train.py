@@ -325,6 +325,10 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
         else:
             kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
         writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
+        if cfg.train.checkpoint_read == "shared" and topo.dp_size > 1:
+            writer.say(f"checkpoint read shared: rank 0 read {resumed.bytes_read / 1e6:.1f} "
+                       f"MB of its {resumed.bytes_held / 1e6:.1f} MB from the files, the "
+                       f"rest from its {topo.dp_size - 1} data-parallel replica(s)")
 
 
 def breakdown_over(comm, totals: dict[str, float]) -> dict[str, float]:

@@ -38,3 +38,11 @@ def test_the_writer_refuses_mpio_too_and_auto_means_files():
         writer.shared_file("mpio", 2)
     assert not writer.shared_file("auto", 4) and not writer.shared_file("files", 4)
     assert validate("auto").train.checkpoint_io == "auto"
+
+
+def test_an_unknown_checkpoint_read_is_named():
+    with pytest.raises(ConfigError, match=r"checkpoint_read \('once'\) must be one of each, "
+                                          r"shared"):
+        Config(train=TrainConfig(checkpoint_read="once")).validate(1)
+    assert Config(train=TrainConfig(checkpoint_read="shared")).validate(1).train \
+        .checkpoint_read == "shared"

@@ -91,6 +91,7 @@ class Checkpoint:
         self._files: dict[str, h5py.File] = {}
         self._fds: dict[str, int] = {}
         self._flat: dict[tuple[str, str], tuple[int | None, int]] = {}
+        self.bytes_read = 0  # tensor bytes read from the files so far
         if check_files:
             self._check_files()
         for entry in self.index.tensors.values():
@@ -188,6 +189,7 @@ class Checkpoint:
         """Bytes from ``offset`` on, into the C-contiguous ``outs`` one after another."""
         fd = self._fd(file, tensor)
         views = byte_views(outs)
+        self.bytes_read += sum(v.nbytes for v in views)
         while views:
             n = os.preadv(fd, views[:IOV_MAX], offset)
             if n <= 0:
@@ -229,6 +231,7 @@ class Checkpoint:
                 if out is not None:
                     out[...] = data
                     data = out
+                self.bytes_read += data.nbytes
                 return self._checked(piece, data, where)
             if dset.dtype != np.dtype(entry.dtype):
                 raise CheckpointError(f"{where}: dtype {dset.dtype}, the index says "
@@ -244,6 +247,7 @@ class Checkpoint:
                 data = dset[...] if whole else dset[slices(piece.box)]
         except (KeyError, OSError, ValueError, TypeError) as err:
             raise CheckpointError(f"{where}: cannot be read ({err}); {REMEDY}") from None
+        self.bytes_read += data.nbytes
         return self._checked(piece, data, where)
 
     def _checked(self, piece: Piece, data: np.ndarray, where) -> np.ndarray:
@@ -303,27 +307,42 @@ class Checkpoint:
                 held = region(array, segs[s])  # a view of the segment's box
                 held[slices(common, segs[s].box)] = data[slices(common, piece.box)]
 
-    def read_held(self, held: list[Held], hint: str = "", share: tuple[int, int] = (0, 1)
-                  ) -> None:
+    def read_held(self, held: list[Held], hint: str = "", share: tuple[int, int] = (0, 1),
+                  read_all: bool = True) -> list[tuple[list[np.ndarray], int]]:
         """Fill every held array with its part of its tensor (see the module docstring):
         the pieces that land whole in a contiguous region are read in runs, one
         ``preadv`` per run of pieces that follow one another in a file, and checked
         by a second thread while the next run is read; the others by ``read_into``.
 
-        ``share = (k, n)``: this rank is the k-th of n ranks of one node that hold
-        the same arrays (data-parallel replicas) and read the same runs from the same
-        page cache; it checks only its share of the runs (about 1/n of the bytes,
-        the same split on each), and the caller makes every rank fail if any of
-        them found a bad piece (``writer.all_ranks``). Each run is still read and
-        checked; at dp = 2 this halves the checksum work of a load."""
+        ``share = (k, n)``: this rank is the k-th of n ranks that hold the same arrays
+        (data-parallel replicas) and so the same runs, in the same order; it checks
+        only its share of the runs (about 1/n of the bytes, the same split on each),
+        and the caller makes every rank fail if any of them found a bad piece
+        (``writer.all_ranks``). With ``read_all`` (the replicas of one node, reading
+        from one page cache) each run is still read by every rank: at dp = 2 this
+        halves the checksum work of a load. Without it (``checkpoint_read =
+        "shared"``) a rank reads only its share too (of the runs, and of the arrays
+        read piece by piece, whole), and returns each as (its arrays, the share that
+        read it), in the same order on each rank, for the caller to broadcast from
+        their readers (``training.exchange_runs``); with it, an empty list."""
+        if not 0 <= share[0] < share[1]:
+            raise ValueError(f"share {share}: k must be in [0, n)")
         direct = []  # (file, offset, entry, piece, target)
+        indirect = []  # arrays read piece by piece (read_into): shared whole
         for h in held:
             entry = self.check_fits(h.name, h.sharding, h.array.dtype, hint)
             reads = self._direct_reads(entry, h)
             if reads is None:
-                self.read_into(h.name, h.array, h.sharding, hint)
+                indirect.append(h)
             else:
                 direct += reads
+        shares = []  # (arrays, the share that reads them), when not read_all
+        whole = [[(None, None, None, None, h.array)] for h in indirect]
+        for h, owner in zip(indirect, share_owners(whole, share[1]), strict=True):
+            if read_all or owner == share[0]:
+                self.read_into(h.name, h.array, h.sharding, hint)
+            if not read_all:
+                shares.append(([h.array], owner))
         direct.sort(key=lambda r: (r[0], r[1]))
         runs: list[list] = []
         run_bytes = 0
@@ -336,10 +355,16 @@ class Checkpoint:
             else:
                 runs.append([r])
                 run_bytes = r[4].nbytes
-        mine = checked_share(runs, *share)
+        owners = share_owners(runs, share[1])
+        if not read_all:
+            shares += [([r[4] for r in run], owner)
+                       for run, owner in zip(runs, owners, strict=True)]
         with ThreadPoolExecutor(1) as pool:
             checked = []
-            for run, check in zip(runs, mine, strict=True):
+            for run, owner in zip(runs, owners, strict=True):
+                check = owner == share[0]
+                if not (check or read_all):
+                    continue
                 file, offset, entry, piece, _ = run[0]
                 where = (f"{self.index.file_path(file)}: tensor {entry.name}, piece "
                          f"{box_name(piece.box)}")
@@ -352,6 +377,7 @@ class Checkpoint:
                     checked.append(pool.submit(self._check_run, run))
             for c in checked:
                 c.result()
+        return shares
 
     def _direct_reads(self, entry: TensorEntry, h: Held) -> list | None:
         """``(file, offset, entry, piece, target)`` per segment of ``h``, if each is
@@ -384,19 +410,25 @@ class Checkpoint:
         return out
 
 
-def checked_share(runs: list[list], k: int, n: int) -> list[bool]:
-    """Which of ``runs`` the k-th of n ranks reading the same runs checks: each run
-    goes to the rank with the fewest bytes so far (ties to the lowest), so the n
-    shares cover every run once and weigh about the same."""
-    if not 0 <= k < n:
-        raise ValueError(f"share ({k}, {n}): k must be in [0, n)")
+def share_owners(runs: list[list], n: int) -> list[int]:
+    """Which of n ranks holding the same runs checks (and, reading shared, reads) each
+    run: the one with the fewest bytes so far (ties to the lowest), so the n shares
+    cover every run once and weigh about the same."""
     load = [0] * n
-    mine = []
+    owners = []
     for run in runs:
         who = min(range(n), key=lambda r: (load[r], r))
         load[who] += sum(r[4].nbytes for r in run)
-        mine.append(who == k)
-    return mine
+        owners.append(who)
+    return owners
+
+
+def checked_share(runs: list[list], k: int, n: int) -> list[bool]:
+    """Which of ``runs`` the k-th of n ranks reading the same runs checks
+    (``share_owners``)."""
+    if not 0 <= k < n:
+        raise ValueError(f"share ({k}, {n}): k must be in [0, n)")
+    return [who == k for who in share_owners(runs, n)]
 
 
 def verify(path: str | Path) -> tuple[Checkpoint, list[str]]:

@@ -15,7 +15,12 @@ removed (by the next ``save`` or ``wait`` of a background save).
 
 A load checks every piece it reads; the data-parallel replicas of one node, which read
 the same pieces, share that work (``check_share``, ``reader.Checkpoint.read_held``),
-and a failure on one fails every rank.
+and a failure on one fails every rank. With ``checkpoint_read = "shared"`` the
+replicas of the whole job (the ranks that hold the same arrays) also share the
+reading: each reads and checks 1/n of the runs they hold alike, and after every rank
+has read its share without error, each run is broadcast from its reader to the
+others (``read_plan``, ``exchange_runs``): a parallel file system serves the data
+once instead of dp times.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class Resumed:
     step: int
     schedule: dict  # optim.schedule.lr_at's keyword arguments
     meta: dict
+    bytes_read: int = 0  # tensor bytes this rank read from the files
+    bytes_held: int = 0  # tensor bytes this rank loaded
 
 
 def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
@@ -121,11 +128,61 @@ def check_share(topo: Any, held: list) -> tuple[int, int]:
     node_comm = getattr(topo, "node_comm", None)
     if node_comm is None or node_comm.Get_size() == 1:
         return 0, 1
-    key = hashlib.sha256(repr([(h.name, h.array.dtype.str, h.sharding)
-                               for h in held]).encode()).hexdigest()
+    key = _holding_key(held)
     keys = node_comm.allgather(key)
     same = [r for r, other in enumerate(keys) if other == key]
     return same.index(node_comm.Get_rank()), len(same)
+
+
+@dataclass
+class ReadPlan:
+    """How a rank reads its held arrays: ``own`` alone (the node's replicas that hold
+    the same arrays share only the checks: ``own_share``), and ``shared``, the arrays
+    every rank of ``group`` holds alike, of which it reads and checks ``share`` and
+    receives the rest (``checkpoint_read = "shared"``; group None: nothing shared)."""
+
+    own: list
+    own_share: tuple[int, int]
+    shared: list
+    share: tuple[int, int]
+    group: Any
+
+
+def read_plan(topo: Any, held: list, mode: str) -> ReadPlan:
+    """The plan of a load (collective over the node's ranks; "shared": over
+    ``topo.dp_comm`` too). "each": every rank reads all it holds; "shared": the arrays
+    every data-parallel replica holds alike (same name, dtype and sharding: with ZeRO
+    0 all of them, with ZeRO 1 or 2 the parameters) are read once across the replicas,
+    1/dp by each, and broadcast (``exchange_runs``)."""
+    if mode not in ("each", "shared"):
+        raise ValueError(f"checkpoint_read ({mode!r}) must be each or shared")
+    group = getattr(topo, "dp_comm", None)
+    if mode == "each" or group is None or group.Get_size() == 1:
+        return ReadPlan(held, check_share(topo, held), [], (0, 1), None)
+    keys = [_holding_key([h]) for h in held]
+    everywhere = set.intersection(*(set(k) for k in group.allgather(keys)))
+    # in one order on every replica: each broadcast pairs the same arrays
+    shared = [h for k, h in sorted(((k, h) for k, h in zip(keys, held, strict=True)
+                                    if k in everywhere), key=lambda kh: kh[0])]
+    own = [h for h, k in zip(held, keys, strict=True) if k not in everywhere]
+    if not shared:
+        return ReadPlan(held, (0, 1), [], (0, 1), None)
+    return ReadPlan(own, (0, 1), shared, (group.Get_rank(), group.Get_size()), group)
+
+
+def exchange_runs(group: Any, runs: list) -> None:
+    """Every run broadcast from the replica that read it into the others' arrays
+    (``Checkpoint.read_held``'s (arrays, reader) list, the same on every rank of
+    ``group``: each holds the same runs). Call only once every rank has read its share
+    without error (checked by the caller), so that no rank waits for one that failed."""
+    for arrays, owner in runs:
+        for array in arrays:
+            group.Bcast(array, root=owner)
+
+
+def _holding_key(held: list) -> str:
+    return hashlib.sha256(repr([(h.name, h.array.dtype.str, h.sharding)
+                                for h in held]).encode()).hexdigest()
 
 
 def index_image(comm: Any, path: Path) -> bytes | None:
@@ -143,10 +200,20 @@ def index_image(comm: Any, path: Path) -> bytes | None:
     return comm.bcast(image, root=0)
 
 
-def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
-                generators: dict, share: tuple[int, int] = (0, 1),
-                image: bytes | None = None, check_files: bool = True
-                ) -> tuple[int, dict, dict, list[str]]:
+@dataclass
+class _Read:
+    """What a rank's reading of a checkpoint left for the rest of the load."""
+
+    step: int
+    meta: dict
+    stored: list[str]  # the checkpoint's tensor names
+    index: str  # its index file, for messages
+    runs: list  # the shared runs and their readers (checkpoint_read "shared")
+    bytes_read: int
+
+
+def _read_local(path: Path, cfg: Any, plan: ReadPlan, dp: Any, image: bytes | None,
+                check_files: bool) -> _Read:
     with Checkpoint(path, image, check_files) as ckpt:
         meta = ckpt.meta
         saved = (meta.get("optimizer") or {}).get("kind")
@@ -161,16 +228,23 @@ def _load_local(path: Path, cfg: Any, held: list, dp: Any, loader: Any,
                                   f"{meta['averaging']['strategy']!r}, whose ranks hold "
                                   f"their own state: resume it with the same averaging "
                                   f"and dp")
-        ckpt.read_held(held, hint, share)
-        set_optimizer_step(dp, meta["optimizer"]["t"])
-        if hasattr(dp, "after_load"):  # state of its own, beyond the tensors
-            dp.after_load()
-        restore_rng(generators, meta["rng"]["generators"])
-        if loader is not None:
-            if meta.get("loader") is None:
-                raise CheckpointError(f"{ckpt.index.path}: holds no data loader position")
-            loader.load_state_dict(meta["loader"])
-        return ckpt.step, meta, dict(meta["schedule"]), sorted(ckpt.tensors)
+        ckpt.read_held(plan.own, hint, plan.own_share)
+        runs = ckpt.read_held(plan.shared, hint, plan.share, read_all=False)
+        return _Read(ckpt.step, meta, sorted(ckpt.tensors), str(ckpt.index.path), runs,
+                     ckpt.bytes_read)
+
+
+def _restore_local(read: _Read, dp: Any, loader: Any, generators: dict) -> None:
+    """The rest of a load, once every held array is filled."""
+    meta = read.meta
+    set_optimizer_step(dp, meta["optimizer"]["t"])
+    if hasattr(dp, "after_load"):  # state of its own, beyond the tensors
+        dp.after_load()
+    restore_rng(generators, meta["rng"]["generators"])
+    if loader is not None:
+        if meta.get("loader") is None:
+            raise CheckpointError(f"{read.index}: holds no data loader position")
+        loader.load_state_dict(meta["loader"])
 
 
 def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *,
@@ -186,12 +260,16 @@ def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *
     writer.all_ranks(comm, lambda: writer.remove_stale(root, say) if comm.Get_rank() == 0
                      else None, f"removing unfinished saves in {root}")
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
-    share = check_share(topo, held)  # a bad piece found by one fails all (all_ranks)
+    plan = read_plan(topo, held, cfg.train.checkpoint_read)  # a bad piece fails all
     image = index_image(comm, path)
     check_files = image is None or comm.Get_rank() == 0  # one rank stats the files
-    step, meta, sched, stored = writer.all_ranks(
-        comm, lambda: _load_local(path, cfg, held, dp, loader, generators or {}, share,
-                                  image, check_files), f"loading {path}")
+    read = writer.all_ranks(comm, lambda: _read_local(path, cfg, plan, dp, image,
+                                                      check_files), f"loading {path}")
+    if plan.group is not None:  # every rank read its share: none is missing from these
+        exchange_runs(plan.group, read.runs)
+    writer.all_ranks(comm, lambda: _restore_local(read, dp, loader, generators or {}),
+                     f"loading {path}")
+    step, meta, stored = read.step, read.meta, read.stored
     names = {h.name for h in held}
     if comm.Get_size() > 1:
         names = set().union(*comm.allgather(sorted(names)))
@@ -200,4 +278,5 @@ def load_training(path: str | Path, cfg: Any, topo: Any, engine: Any, dp: Any, *
         raise CheckpointError(f"{path}: holds {len(extra)} tensor(s) the model built from "
                               f"the config lacks, e.g. {extra[0]}"
                               f"{config_hint(meta.get('config') or {}, cfg)}")
-    return Resumed(path, step, sched, meta)
+    return Resumed(path, step, dict(meta["schedule"]), meta, read.bytes_read,
+                   sum(h.array.nbytes for h in held))

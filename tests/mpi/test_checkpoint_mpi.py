@@ -153,6 +153,40 @@ def run_id(case):
                                                                            else "")
 
 
+def flip_byte_of_piece(path: Path, entry, at: int) -> tuple[int, bytes]:
+    """Flip a bit of the first byte of the piece at element ``at`` of ``entry``'s flat
+    dataset in rank 0's file (on rank 0, then every rank waits): (its offset, its old
+    byte) on rank 0."""
+    import h5py
+
+    from hpctrain.checkpoint import format as fmt
+
+    file = path / fmt.data_filename(0)
+    with h5py.File(file) as f:
+        offset = f[fmt.flat_name(entry.dtype)].id.get_offset()
+    offset += at * np.dtype(entry.dtype).itemsize
+    byte = b""
+    if WORLD.Get_rank() == 0:
+        with open(file, "r+b") as fh:
+            fh.seek(offset)
+            byte = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([byte[0] ^ 0x10]))
+    WORLD.Barrier()
+    return offset if WORLD.Get_rank() == 0 else -1, byte
+
+
+def restore_byte(path: Path, offset: int, byte: bytes) -> None:
+    from hpctrain.checkpoint import format as fmt
+
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        with open(path / fmt.data_filename(0), "r+b") as fh:
+            fh.seek(offset)
+            fh.write(byte)
+    WORLD.Barrier()
+
+
 @pytest.mark.parametrize("case", round_trips(SIZE), ids=run_id)
 def test_round_trip_is_bitwise_and_resume_is_bit_exact(case, batches, shared_dir):
     layout, zero, sched, sp, tie = case
@@ -240,7 +274,6 @@ def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, 
     """At dp = N the ranks of a node read the same pieces and each checks its share of
     the runs (``reader.checked_share``); a byte flipped in the run the first rank
     checks, then in the run the second checks, fails the load on every rank."""
-    import h5py
 
     from hpctrain.checkpoint import CheckpointError, reader
     from hpctrain.checkpoint import format as fmt
@@ -248,6 +281,9 @@ def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, 
 
     monkeypatch.setattr(reader, "RUN_BYTES", 1)  # a run per piece: the checks spread
     run = Run(config((SIZE, 1, 1), 0), WORLD)
+    # rank files (under a system MPI "auto" writes one shared data.h5, and the bytes
+    # flipped below would be looked for in a file that is not there)
+    run.cfg = replace(run.cfg, train=replace(run.cfg.train, checkpoint_io="files"))
     run.steps(batches, SAVE_AT)
     path = run.save(shared_dir / "shared-checks")
     held = held_tensors(run.engine, run.dp, 0, 1)
@@ -256,18 +292,9 @@ def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, 
     index = fmt.read_index(path / fmt.INDEX_NAME)
     first = sorted(((p.at, e) for e in index.tensors.values() for p in e.pieces
                     if p.file == fmt.data_filename(0)), key=lambda x: x[0])[:2]
+    assert len(first) == 2, index.files
     for at, entry in first:  # the first run goes to rank 0, the second to rank 1
-        file = path / fmt.data_filename(0)
-        with h5py.File(file) as f:
-            offset = f[fmt.flat_name(entry.dtype)].id.get_offset()
-        offset += at * np.dtype(entry.dtype).itemsize
-        if WORLD.Get_rank() == 0:
-            with open(file, "r+b") as fh:
-                fh.seek(offset)
-                byte = fh.read(1)
-                fh.seek(offset)
-                fh.write(bytes([byte[0] ^ 0x10]))
-        WORLD.Barrier()
+        offset, byte = flip_byte_of_piece(path, entry, at)
         try:
             run.load(path)
             message = ""
@@ -275,12 +302,7 @@ def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, 
             message = str(err)
         assert_all(WORLD, "checksum mismatch" in message and entry.name in message,
                    f"a byte flipped in {entry.name} fails the load on every rank: {message!r}")
-        WORLD.Barrier()
-        if WORLD.Get_rank() == 0:
-            with open(file, "r+b") as fh:
-                fh.seek(offset)
-                fh.write(byte)
-        WORLD.Barrier()
+        restore_byte(path, offset, byte)
     run.load(path)  # intact again
     run.free()
 
@@ -321,4 +343,86 @@ def test_the_index_is_read_by_one_rank_and_broadcast(batches, shared_dir):
         message = str(err)
     assert_all(WORLD, f"{gone}: missing" in message,
                f"a missing data file fails every rank: {message!r}")
+    run.free()
+
+
+def shared_read_cases(n: int) -> list[tuple]:
+    """(layout, zero): data parallel alone at ZeRO 0 and 1, and beside tensor (and
+    pipeline) parallelism where the ranks allow, where the replicas are the ranks of
+    one tensor and stage position."""
+    cases = [((n, 1, 1), 0), ((n, 1, 1), 1)]
+    if n >= 4:
+        cases.append(((n // 2, 2, 1), 1))
+    if n >= 8:
+        cases.append(((n // 4, 2, 2), 0))
+    return cases
+
+
+@pytest.mark.parametrize("layout,zero", shared_read_cases(SIZE),
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple)
+                         else f"zero{c}")
+def test_shared_reads_load_what_each_reads_from_a_share_of_the_files(batches, shared_dir,
+                                                                     layout, zero):
+    """``checkpoint_read = "shared"`` (``training.read_plan``, ``exchange_runs``): the
+    data-parallel replicas read the arrays they hold alike once between them, 1/dp each,
+    and broadcast the rest; the state loaded is bitwise the one every rank reads whole
+    (into arrays first filled with nan, so a run no rank sent would show). At ZeRO 0
+    every array is shared and the ranks' reads add up to one copy; at ZeRO 1 the
+    parameters are, the optimizer state is each rank's own."""
+    if SIZE == 1:
+        pytest.skip("needs data-parallel replicas")
+    run = Run(config(layout, zero), WORLD)
+    run.steps(batches, SAVE_AT)
+    path = run.save(shared_dir / f"shared-read-{'x'.join(map(str, layout))}-{zero}")
+    held = held_tensors(run.engine, run.dp, run.topo.tp_rank, run.topo.tp_size)
+    each = load_training(path, run.cfg, run.topo, run.engine, run.dp)
+    want = run.held()
+    for h in held:
+        h.array[...] = np.nan
+    cfg = replace(run.cfg, train=replace(run.cfg.train, checkpoint_read="shared"))
+    shared = load_training(path, cfg, run.topo, run.engine, run.dp)
+    got = run.held()
+    assert_all(WORLD, all(np.array_equal(got[k], want[k]) for k in want),
+               "the shared read loads bitwise what each rank reads whole")
+    assert_all(WORLD, each.bytes_read == each.bytes_held == shared.bytes_held,
+               f"read whole: every held byte ({each.bytes_read} of {each.bytes_held})")
+    own = sum(h.array.nbytes for h in held if h.name.startswith("optim/")) if zero else 0
+    replicated = shared.bytes_held - own
+    dp_comm = run.topo.dp_comm
+    reads = dp_comm.allgather(shared.bytes_read - own)
+    assert_all(WORLD, sum(reads) == replicated and max(reads) < replicated,
+               f"the replicated {replicated} bytes read once between the replicas: {reads}")
+    assert shared.step == SAVE_AT
+    run.free()
+
+
+def test_a_flipped_byte_in_a_share_another_rank_reads_fails_every_rank(batches, shared_dir,
+                                                                        monkeypatch):
+    """With shared reads a rank receives runs it never read; a byte flipped in the
+    second run (read and checked by rank 1 alone) fails the load on every rank, before
+    anything is exchanged, and nobody waits for a rank that failed."""
+
+    from hpctrain.checkpoint import CheckpointError, reader
+    from hpctrain.checkpoint import format as fmt
+
+    if SIZE == 1:
+        pytest.skip("needs data-parallel replicas")
+    monkeypatch.setattr(reader, "RUN_BYTES", 1)  # a run per piece: the reads spread
+    run = Run(config((SIZE, 1, 1), 0), WORLD)
+    run.cfg = replace(run.cfg, train=replace(run.cfg.train, checkpoint_read="shared",
+                                             checkpoint_io="files"))  # as above
+    run.steps(batches, SAVE_AT)
+    path = run.save(shared_dir / "shared-read-flip")
+    index = fmt.read_index(path / fmt.INDEX_NAME)
+    at, entry = sorted(((p.at, e) for e in index.tensors.values() for p in e.pieces
+                        if p.file == fmt.data_filename(0)), key=lambda x: x[0])[1]
+    flip_byte_of_piece(path, entry, at)
+    try:
+        run.load(path)
+        message = ""
+    except CheckpointError as err:
+        message = str(err)
+    assert_all(WORLD, "checksum mismatch" in message and entry.name in message
+               and "on rank(s) [1]" in message,
+               f"rank 1's share holds the bad byte; every rank fails: {message!r}")
     run.free()
