@@ -298,12 +298,15 @@ def test_blocksum64_packed_is_blocksum64_of_each_piece():
     assert fmt.blocksum64_packed(buf, [4, 12]) is None  # not on 64-bit words: per piece
 
 
-def test_the_shares_of_the_checks_cover_every_run_once():
-    from hpctrain.checkpoint.reader import checked_share
+def test_the_shares_of_the_checks_cover_every_run_once(tmp_path):
+    from hpctrain.checkpoint.reader import share_owners
 
-    runs = [[(None, 0, None, None, np.empty(n, np.uint8))] for n in (5, 1, 9, 3, 3, 7)]
+    sizes = [5, 1, 9, 3, 3, 7]
     for n in (1, 2, 3, 4):
-        shares = [checked_share(runs, k, n) for k in range(n)]
-        assert [sum(col) for col in zip(*shares, strict=True)] == [1] * len(runs)
-    with pytest.raises(ValueError, match="share"):
-        checked_share(runs, 2, 2)
+        owners = share_owners(sizes, n)
+        shares = [[who == k for who in owners] for k in range(n)]
+        assert [sum(col) for col in zip(*shares, strict=True)] == [1] * len(sizes)
+    cfg, topo, engine, dp = serial(tmp_path)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    with Checkpoint(path) as ck, pytest.raises(ValueError, match="share"):
+        ck.read_held(held_tensors(engine, dp, 0, 1), share=(2, 2))

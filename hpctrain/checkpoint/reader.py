@@ -24,7 +24,7 @@ while the next run is read; the rest go through ``read_into``. On the benchmark 
 (231 pieces) this replaced 231 reads and checks in turn, about 10 ms of Python.
 Replicas share the checking: the ranks of one node that hold the same arrays (data
 parallel, ``training.check_share``) read the same runs from the same page cache, so
-each checks about 1/n of them (``checked_share``) and a bad piece found by any fails
+each checks about 1/n of them (``share_owners``) and a bad piece found by any fails
 the load on every rank (``writer.all_ranks``); at dp = 2 that halves a load's checksum
 work. Every byte a rank loads was checked by a rank of its node after the same read
 of the same file; what no checksum sees, as before, is a rank's own copy out of the
@@ -337,8 +337,8 @@ class Checkpoint:
             else:
                 direct += reads
         shares = []  # (arrays, the share that reads them), when not read_all
-        whole = [[(None, None, None, None, h.array)] for h in indirect]
-        for h, owner in zip(indirect, share_owners(whole, share[1]), strict=True):
+        for h, owner in zip(indirect, share_owners([h.array.nbytes for h in indirect],
+                                                   share[1]), strict=True):
             if read_all or owner == share[0]:
                 self.read_into(h.name, h.array, h.sharding, hint)
             if not read_all:
@@ -355,7 +355,7 @@ class Checkpoint:
             else:
                 runs.append([r])
                 run_bytes = r[4].nbytes
-        owners = share_owners(runs, share[1])
+        owners = share_owners([sum(r[4].nbytes for r in run) for run in runs], share[1])
         if not read_all:
             shares += [([r[4] for r in run], owner)
                        for run, owner in zip(runs, owners, strict=True)]
@@ -410,25 +410,17 @@ class Checkpoint:
         return out
 
 
-def share_owners(runs: list[list], n: int) -> list[int]:
-    """Which of n ranks holding the same runs checks (and, reading shared, reads) each
-    run: the one with the fewest bytes so far (ties to the lowest), so the n shares
-    cover every run once and weigh about the same."""
+def share_owners(sizes: list[int], n: int) -> list[int]:
+    """Which of n ranks holding the same runs (or arrays), of ``sizes`` bytes, checks
+    (and, reading shared, reads) each: the one with the fewest bytes so far (ties to the
+    lowest), so the n shares cover every run once and weigh about the same."""
     load = [0] * n
     owners = []
-    for run in runs:
+    for size in sizes:
         who = min(range(n), key=lambda r: (load[r], r))
-        load[who] += sum(r[4].nbytes for r in run)
+        load[who] += size
         owners.append(who)
     return owners
-
-
-def checked_share(runs: list[list], k: int, n: int) -> list[bool]:
-    """Which of ``runs`` the k-th of n ranks reading the same runs checks
-    (``share_owners``)."""
-    if not 0 <= k < n:
-        raise ValueError(f"share ({k}, {n}): k must be in [0, n)")
-    return [who == k for who in share_owners(runs, n)]
 
 
 def verify(path: str | Path) -> tuple[Checkpoint, list[str]]:

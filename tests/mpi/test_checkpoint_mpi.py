@@ -272,7 +272,7 @@ def test_reshard_to_serial_on_comm_self(source, batches):
 def test_replicas_share_the_checks_and_a_flipped_byte_fails_every_rank(batches, shared_dir,
                                                                        monkeypatch):
     """At dp = N the ranks of a node read the same pieces and each checks its share of
-    the runs (``reader.checked_share``); a byte flipped in the run the first rank
+    the runs (``reader.share_owners``); a byte flipped in the run the first rank
     checks, then in the run the second checks, fails the load on every rank."""
 
     from hpctrain.checkpoint import CheckpointError, reader
