@@ -15,10 +15,19 @@ status for SIGINT), which no batch script requeues. Its first arrival says so on
 terminal; a second one raises ``KeyboardInterrupt`` where the rank is, which ends the
 job at once without saving (``runtime.abort_on_error``). A SIGINT the process was
 started ignoring (a background job of a shell without job control) stays ignored.
+
+Open MPI's ``mpirun`` (ORTE, the launcher of Open MPI 4 and earlier) passes neither
+SIGINT nor SIGTERM on: it stops the job by a kill sequence of its own, SIGCONT to every
+rank at once, SIGTERM ``odls_base_sigkill_timeout`` seconds later (default 1) and
+SIGKILL as long again after that (measured: DEVELOPERS.md). The ranks take the SIGTERM
+as a preemption and stop after the step with a checkpoint, if the step and the save fit
+in that time; ``stop_time_note`` tells rank 0 when they do not (``train`` asks after its
+first checkpoint).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from typing import Any
@@ -28,6 +37,12 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 # what ``agreed`` returns: bits of the signals any rank has seen
 PREEMPTED, INTERRUPTED = 1, 2
+
+# the ranks' environment under Open MPI's mpirun (ORTE): its own address, and the MCA
+# parameter of its kill sequence when the user set it (--mca or the environment)
+ORTE_URI = "OMPI_MCA_orte_hnp_uri"
+ORTE_KILL_DELAY = "OMPI_MCA_odls_base_sigkill_timeout"
+EXIT_S = 0.5  # what a rank takes to leave after its checkpoint (finalize, exit)
 
 _received: list[int] = []
 _speaker = [True]  # whether this rank says that a Ctrl-C was seen (rank 0 of the job)
@@ -95,3 +110,38 @@ def agreed(comm: Any) -> int:
 
 def signal_name() -> str:
     return signal.Signals(_received[0]).name if _received else ""
+
+
+def orte_kill_delay(env: dict | None = None) -> int | None:
+    """Seconds from Open MPI's ``mpirun`` receiving Ctrl-C or SIGTERM to its SIGTERM of
+    the ranks, and from that to its SIGKILL (``odls_base_sigkill_timeout``, 1 unless set);
+    None when the ranks were not started by that ``mpirun`` (``env``: the environment)."""
+    env = os.environ if env is None else env
+    if ORTE_URI not in env:
+        return None
+    try:
+        return max(0, int(env.get(ORTE_KILL_DELAY, "1")))
+    except ValueError:  # mpirun itself refuses such a value
+        return None
+
+
+def stop_time_note(step_s: float, save_s: float, env: dict | None = None) -> str | None:
+    """The line rank 0 prints when a stop would be killed before its checkpoint is
+    written: under Open MPI's ``mpirun`` run by hand (a terminal's Ctrl-C, ``kill``), a
+    rank signalled just as a step begins needs the step (``step_s``), the save
+    (``save_s``) and ``EXIT_S`` to leave, and gets ``orte_kill_delay`` seconds. None
+    when that is enough, under another launcher, or in a SLURM job (its preemption
+    signal reaches the ranks themselves: ``jobscripts/train.sbatch``)."""
+    env = os.environ if env is None else env
+    delay = orte_kill_delay(env)
+    need = step_s + save_s + EXIT_S
+    if delay is None or need <= delay or "SLURM_JOB_ID" in env:
+        return None
+    advice = max(5, math.ceil(1.5 * need))
+    return (f"note: Open MPI's mpirun stops a job on Ctrl-C or SIGTERM by sending the ranks "
+            f"SIGTERM after {delay} s and SIGKILL {delay} s later "
+            f"(odls_base_sigkill_timeout); this run needs up to {need:.1f} s to finish a "
+            f"step ({step_s:.1f} s), save ({save_s:.1f} s) and leave, so such a stop can "
+            f"be killed before its checkpoint is written: start mpirun with --mca "
+            f"odls_base_sigkill_timeout {advice} (or export "
+            f"{ORTE_KILL_DELAY}={advice}; mpirun then takes up to {2 * advice} s to stop)")

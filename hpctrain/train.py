@@ -504,6 +504,8 @@ class _Loop:
         self.shares = (ShareBalancer(cfg.parallel, t.batch_size, topo.dp_comm, loader,
                                      multiple=getattr(dp, "unit", None))
                        if cfg.parallel.shares != "equal" else None)
+        self.step_s = 0.0  # the last step's time
+        self.stop_checked = False  # whether the time a stop takes was weighed (preempt)
 
     @property
     def say_to(self):
@@ -535,7 +537,7 @@ class _Loop:
             self.tracer.step = None
         if not self.guard.skipped_last:
             self.retention.finite_step(loss)  # the last checkpoint led to a sane step
-        dt = time.perf_counter() - t0
+        dt = self.step_s = time.perf_counter() - t0
         self.losses.append(loss)
         totals = self.tracer.take_totals()
         shares = {}
@@ -583,11 +585,26 @@ class _Loop:
         extra = {"precision": self.precision.state()}  # the name, the storage, fp16's scale
         if self.shares is not None:
             extra["shares"] = self.shares.state()
+        t0 = time.perf_counter()
         saved = _save(self.cfg, self.topo, self.engine, self.dp, self.loader, step,
                       self.sched, self.background, say if say is not None else self.say_to,
                       extra)
+        save_s = time.perf_counter() - t0
         self.retention.saved(saved, loss)
+        background = self.background
+        if background is None or background.write_s:  # an earlier write has landed
+            self.check_stop_time(save_s + (0.0 if background is None else background.write_s))
         return saved
+
+    def check_stop_time(self, save_s: float) -> None:
+        """Once, rank 0: say so when the launcher would kill a stop (after a signal)
+        before its checkpoint is written (``preempt.stop_time_note``)."""
+        if self.stop_checked or self.writer is None:
+            return
+        self.stop_checked = True
+        note = preempt.stop_time_note(self.step_s, save_s)
+        if note is not None:
+            self.writer.say(note)
 
     def wait_for_save(self) -> bool:
         return _wait_for_save(self.background, self.say_to)

@@ -1,0 +1,44 @@
+"""Whether ``hpctrain train`` warns that its launcher would kill a stop before the
+checkpoint is written (``preempt.stop_time_note``): under Open MPI's ``mpirun`` with
+``odls_base_sigkill_timeout`` 0 (SIGTERM and SIGKILL at once) rank 0 says so, naming the
+parameter and the value to give it; under MPICH's ``mpiexec``, which passes signals on,
+nothing is said."""
+
+import os
+import subprocess
+import sys
+
+from hpctrain import preempt
+from hpctrain.testing import mpiexec, tiny_corpus_config
+
+CONFIG = """
+[model]
+seq_len = 16
+n_layer = 2
+n_head = 2
+d_model = 32
+[train]
+steps = 3
+batch_size = 8
+save_interval = 1
+eval_interval = 0
+[data]
+path = "{data}"
+"""
+
+
+def test_rank_0_names_a_kill_delay_too_short_for_a_stop(tmp_path):
+    cfg = tiny_corpus_config(tmp_path, CONFIG, "to be, or not to be, that is the question.", 400)
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", "--config",
+           str(cfg), "--run-dir", str(tmp_path / "run")]
+    job = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1",
+                              preempt.ORTE_KILL_DELAY: "0"})
+    assert job.returncode == 0, job.stderr
+    notes = [line for line in job.stdout.splitlines() if "odls_base_sigkill_timeout" in line]
+    if os.environ["HPCTRAIN_EXPECT_MPI"] == "openmpi":
+        assert len(notes) == 1, job.stdout  # once, after the first checkpoint
+        assert "SIGTERM after 0 s and SIGKILL 0 s later" in notes[0], notes
+        assert "--mca odls_base_sigkill_timeout 5 " in notes[0], notes
+    else:
+        assert notes == [], job.stdout
