@@ -200,7 +200,14 @@ install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py a
 	$(MPI_ENV_$*) .venv-$*/bin/hpctrain doctor --expect-mpi $* --require-parallel-hdf5
 	touch $@
 
-test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the SLURM suite, under that MPI
+# the emulated cluster's tests that start MPI jobs (hpctrain cluster run), not those of
+# its namespaces and cgroups alone, which the main suite runs
+CLUSTER_MPI_TESTS := $(addprefix tests/cluster/test_cluster.py::test_, \
+  ranks_fill_the_nodes_in_order_and_mpi_sees_each_node \
+  traffic_between_nodes_crosses_the_link_and_inside_a_node_does_not \
+  layouts_across_nodes_reproduce_the_serial_loss_curve hpctrain_train_across_nodes_equals_one_node)
+
+test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the emulated cluster's jobs and the SLURM suite, under that MPI
 	@$(CHECK_MPI)
 	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
 	@echo "== system $(MPI): serial checks (tests/system_mpi; jobs that stall, end or are signalled)"
@@ -216,12 +223,13 @@ test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio 
 	    || exit 1; \
 	done
 	@if [ "$$(id -u)" = 0 ]; then \
-	  echo "== system $(MPI): the SLURM job templates on two emulated nodes (tests/slurm)"; \
+	  echo "== system $(MPI): jobs on two emulated nodes through its mpiexec, and the SLURM job templates (tests/cluster, tests/slurm)"; \
 	  status=0; $(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) \
-	    $(SYS_VENV)/bin/python -m pytest tests/slurm -q -p no:cacheprovider \
-	    --timeout=$(TEST_TIMEOUT) || status=$$?; \
-	  $(SYS_VENV)/bin/hpctrain cluster down --name hpctslm >/dev/null || status=1; exit $$status; \
-	else echo "== system $(MPI): SLURM suite not run: it needs root (sudo make test-system-mpi)"; fi
+	    $(SYS_VENV)/bin/python -m pytest $(CLUSTER_MPI_TESTS) tests/slurm -q \
+	    -p no:cacheprovider --timeout=$(TEST_TIMEOUT) || status=$$?; \
+	  for c in hpctest hpctslm; do \
+	    $(SYS_VENV)/bin/hpctrain cluster down --name $$c >/dev/null || status=1; done; exit $$status; \
+	else echo "== system $(MPI): cluster and SLURM suites not run: they need root (sudo make test-system-mpi)"; fi
 
 bench-mpio: ## MPI=mpich|openmpi: checkpoint save/load through mpio, per-rank files and a raw write at 1, 2, 4 ranks
 	@$(CHECK_MPI)

@@ -19,6 +19,7 @@ from hpctrain.cli import main
 from hpctrain.cluster import cpu, launch, slurmd
 from hpctrain.cluster import spec as spec_mod
 from hpctrain.config import ConfigError
+from hpctrain.testing import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,14 +132,14 @@ def test_the_launcher_is_valid_shell_and_refuses_unknown_hosts(tmp_path):
 def test_the_mpiexec_command_places_ranks_node_by_node():
     spec = build(name="emu", nodes=[{"count": 3}])
     cmd = launch.mpiexec_command(spec, Path("/run/x/ssh"), "mpiexec", ["python", "t.py"],
-                                 ranks_per_node=2, ranks=5)
+                                 ranks_per_node=2, ranks=5, flavour="hydra")
     assert cmd[:7] == ["mpiexec", "-launcher", "ssh", "-launcher-exec", "/run/x/ssh",
                        "-iface", "emubr"]
     assert cmd[cmd.index("-hosts") + 1] == "emu0:2,emu1:2,emu2:2"
     assert cmd[cmd.index("-n") + 1] == "5" and cmd[-2:] == ["python", "t.py"]
     assert "UCX_TLS" in cmd and cmd[cmd.index("UCX_NET_DEVICES") + 1] == "eth0"
     cyclic = launch.mpiexec_command(spec, Path("ssh"), "mpiexec", ["x"], ranks_per_node=2,
-                                    placement="cyclic")
+                                    placement="cyclic", flavour="hydra")
     assert cyclic[cyclic.index("-hosts") + 1] == "emu0:1,emu1:1,emu2:1"
     assert cyclic[cyclic.index("-n") + 1] == "6"
     with pytest.raises(ConfigError, match=r"placement \('random'\) must be one of block, "):
@@ -150,6 +151,36 @@ def test_the_mpiexec_command_places_ranks_node_by_node():
     with pytest.raises(ConfigError, match=r"node \('emu7'\) is not one of emu0, emu1, emu2"):
         launch.mpiexec_command(spec, Path("ssh"), "mpiexec", ["x"], ranks_per_node=1,
                                nodes=["emu7"])
+
+
+def test_open_mpis_mpirun_gets_the_launcher_the_subnet_and_tcp_between_nodes():
+    spec = build(name="emu", nodes=[{"count": 3}])
+    cmd = launch.mpiexec_command(spec, Path("/run/x/ssh"), "mpirun", ["python", "t.py"],
+                                 ranks_per_node=2, ranks=5, flavour="openmpi")
+    mca = {cmd[i + 1]: cmd[i + 2] for i, a in enumerate(cmd) if a == "--mca"}
+    assert mca == {"plm_rsh_agent": "/run/x/ssh", "oob_tcp_if_include": "10.213.0.0/24",
+                   "btl_tcp_if_include": "10.213.0.0/24", "pml": "ob1",
+                   "btl": "self,vader,tcp", "plm_rsh_no_tree_spawn": "1"}
+    assert cmd[cmd.index("--host") + 1] == "emu0:2,emu1:2,emu2:2"
+    assert cmd[cmd.index("--map-by") + 1] == "slot" and cmd[cmd.index("-n") + 1] == "5"
+    assert cmd[:2] == ["mpirun", "--allow-run-as-root"] and cmd[-2:] == ["python", "t.py"]
+    cyclic = launch.mpiexec_command(spec, Path("ssh"), "mpirun", ["x"], ranks_per_node=2,
+                                    placement="cyclic", flavour="openmpi")
+    assert cyclic[cyclic.index("--map-by") + 1] == "node"
+    assert cyclic[cyclic.index("--host") + 1] == "emu0:2,emu1:2,emu2:2"
+    with pytest.raises(ConfigError, match=r"flavour \('intel'\) must be one of hydra, openmpi"):
+        launch.mpiexec_command(spec, Path("ssh"), "mpirun", ["x"], ranks_per_node=1,
+                               flavour="intel")
+
+
+def test_the_launchers_flavour_comes_from_its_version(tmp_path):
+    assert launch.mpiexec_flavour(mpiexec()) == "hydra"  # the pip MPICH beside this Python
+    with pytest.raises(ConfigError, match=r"mpiexec \(/bin/true\) must be MPICH's mpiexec "
+                                          r"\(hydra\) or Open MPI's mpirun; its --version "
+                                          r"says 'true \(GNU coreutils"):
+        launch.mpiexec_flavour("/bin/true")
+    with pytest.raises(ConfigError, match=r"does not run"):
+        launch.mpiexec_flavour(str(tmp_path / "no-such-mpiexec"))
 
 
 def _fake_cgroup_root(tmp_path: Path, version: int) -> Path:

@@ -160,7 +160,8 @@ def status_cmd(name: str) -> None:
               help="block: fill each node before the next (ranks 0..r-1 on the first); "
                    "cyclic: one rank per node in turn.")
 @click.option("--mpiexec", "mpiexec_path",
-              help="MPICH's mpiexec (hydra) [default: beside this Python, else PATH's].")
+              help="MPICH's mpiexec (hydra) or Open MPI's mpirun [default: beside this "
+                   "Python, else PATH's].")
 @click.option("--dry-run", is_flag=True, help="Print the mpiexec command, run nothing.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors

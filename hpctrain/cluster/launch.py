@@ -20,17 +20,51 @@ nodes, MPICH's UCX
 network module must use TCP over the node's ``eth0`` (``UCX_ENV``): left to itself,
 UCX finds the other "node" is this machine and moves the data through shared memory,
 past the shaped link.
+
+Open MPI's ``mpirun`` (ORTE) takes the same launcher as its remote shell
+(``plm_rsh_agent``) and starts one ``orted`` per node through it, each reaching
+``mpirun`` over the switch (``oob_tcp_if_include``, the cluster's subnet); its ranks
+talk through shared memory inside a node and TCP on the subnet between nodes
+(``OPENMPI_MCA``: ob1 with the self, vader and tcp transports, never UCX, which could
+take shared memory past the link as it does for MPICH)::
+
+    mpirun --mca plm_rsh_agent STATE/ssh --host h0:2,h1:2 --map-by slot -n 4 ... CMD
 """
 
 from __future__ import annotations
 
 import shlex
+import subprocess
 from pathlib import Path
 
 from hpctrain.cluster.spec import NODE_IFACE, ClusterSpec
 
 # UCX: TCP between nodes (and self for a rank's messages to itself), on the shaped link
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NODE_IFACE}
+# Open MPI: its own point-to-point layer over shared memory (vader) and TCP; every orted
+# launched by mpirun itself (a node's launcher cannot start another node's orted)
+OPENMPI_MCA = {"pml": "ob1", "btl": "self,vader,tcp", "plm_rsh_no_tree_spawn": "1"}
+FLAVOURS = ("hydra", "openmpi")
+
+
+def mpiexec_flavour(mpiexec: str) -> str:
+    """Which launcher ``mpiexec`` is, from its ``--version``: "hydra" (MPICH's, and
+    the pip MPICH's) or "openmpi" (Open MPI's ``mpirun``, ORTE)."""
+    from hpctrain.config import ConfigError
+
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(f"mpiexec ({mpiexec}) does not run: {err}") from None
+    text = out.stdout + out.stderr
+    if "HYDRA" in text:
+        return "hydra"
+    if "OpenRTE" in text or "Open MPI" in text:
+        return "openmpi"
+    first = text.strip().splitlines()[0] if text.strip() else "nothing"
+    raise ConfigError(f"mpiexec ({mpiexec}) must be MPICH's mpiexec (hydra) or Open MPI's "
+                      f"mpirun; its --version says {first!r}")
 
 
 def launcher_script(spec: ClusterSpec, procs: dict[str, list[Path]]) -> str:
@@ -71,12 +105,14 @@ PLACEMENTS = ("block", "cyclic")
 
 def mpiexec_command(spec: ClusterSpec, launcher: Path, mpiexec: str, argv: list[str], *,
                     ranks_per_node: int, ranks: int | None = None,
-                    nodes: list[str] | None = None, placement: str = "block") -> list[str]:
+                    nodes: list[str] | None = None, placement: str = "block",
+                    flavour: str | None = None) -> list[str]:
     """``mpiexec`` over the cluster: ``ranks_per_node`` ranks on each node, ``ranks`` in
     all (default: all slots of ``nodes``, default every node). ``placement`` "block"
     fills the nodes one after the other (ranks 0..r-1 on the first, as SLURM does by
     default); "cyclic" deals the ranks out one per node in turn (SLURM's
-    ``--distribution=cyclic``)."""
+    ``--distribution=cyclic``). ``flavour``: "hydra" or "openmpi" (None: ask
+    ``mpiexec``, ``mpiexec_flavour``)."""
     if placement not in PLACEMENTS:
         from hpctrain.config import ConfigError
 
@@ -91,6 +127,18 @@ def mpiexec_command(spec: ClusterSpec, launcher: Path, mpiexec: str, argv: list[
 
         raise ConfigError(f"ranks ({ranks}) must be between 1 and ranks per node * nodes "
                           f"({ranks_per_node} * {len(hosts)} = {slots})")
+    flavour = flavour or mpiexec_flavour(mpiexec)
+    if flavour not in FLAVOURS:
+        from hpctrain.config import ConfigError
+
+        raise ConfigError(f"flavour ({flavour!r}) must be one of {', '.join(FLAVOURS)}")
+    if flavour == "openmpi":
+        mca = {**OPENMPI_MCA, "plm_rsh_agent": str(launcher),
+               "oob_tcp_if_include": spec.subnet, "btl_tcp_if_include": spec.subnet}
+        return [mpiexec, "--allow-run-as-root", "--host",
+                ",".join(f"{h}:{ranks_per_node}" for h in hosts),
+                "--map-by", "slot" if placement == "block" else "node", "-n", str(ranks),
+                *[a for k, v in mca.items() for a in ("--mca", k, v)], *argv]
     env = [a for k, v in UCX_ENV.items() for a in ("-genv", k, v)]
     slots_per_host = ranks_per_node if placement == "block" else 1  # hydra wraps around
     return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(launcher), "-iface",

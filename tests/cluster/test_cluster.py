@@ -126,7 +126,8 @@ def test_layouts_across_nodes_reproduce_the_serial_loss_curve(cluster):
     tests = [f"tests/mpi/test_equivalence.py::test_every_layout_reproduces_the_serial_loss_"
              f"curve[{layout}]" for layout in LAYOUTS] + ["tests/mpi/test_hierarchy_mpi.py"]
     result = run_on(cluster, [sys.executable, "-m", "mpi4py", "-m", "pytest", "--with-mpi",
-                              *tests, "-q", "-p", "no:cacheprovider", "--timeout=300"],
+                              *tests, "-q", "-p", "no:cacheprovider", "--timeout=300",
+                              "--color=no"],  # Open MPI's ranks print to a terminal
                     ranks_per_node=2, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     passed = re.search(r"^(\d+) passed in", result.stdout, re.M)
