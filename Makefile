@@ -200,12 +200,13 @@ install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py a
 	$(MPI_ENV_$*) .venv-$*/bin/hpctrain doctor --expect-mpi $* --require-parallel-hdf5
 	touch $@
 
-# the emulated cluster's tests that start MPI jobs (hpctrain cluster run), not those of
-# its namespaces and cgroups alone, which the main suite runs
+# the emulated cluster's tests that start MPI jobs (hpctrain cluster run, calibrate
+# --emulated), not those of its namespaces and cgroups alone, which the main suite runs
 CLUSTER_MPI_TESTS := $(addprefix tests/cluster/test_cluster.py::test_, \
   ranks_fill_the_nodes_in_order_and_mpi_sees_each_node \
   traffic_between_nodes_crosses_the_link_and_inside_a_node_does_not \
-  layouts_across_nodes_reproduce_the_serial_loss_curve hpctrain_train_across_nodes_equals_one_node)
+  layouts_across_nodes_reproduce_the_serial_loss_curve hpctrain_train_across_nodes_equals_one_node) \
+  tests/cluster/test_plan_emulated.py
 
 test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the emulated cluster's jobs and the SLURM suite, under that MPI
 	@$(CHECK_MPI)
@@ -227,7 +228,7 @@ test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio 
 	  status=0; $(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) \
 	    $(SYS_VENV)/bin/python -m pytest $(CLUSTER_MPI_TESTS) tests/slurm -q \
 	    -p no:cacheprovider --timeout=$(TEST_TIMEOUT) || status=$$?; \
-	  for c in hpctest hpctslm; do \
+	  for c in hpctest hpctpcal hpctslm; do \
 	    $(SYS_VENV)/bin/hpctrain cluster down --name $$c >/dev/null || status=1; done; exit $$status; \
 	else echo "== system $(MPI): cluster and SLURM suites not run: they need root (sudo make test-system-mpi)"; fi
 
