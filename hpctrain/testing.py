@@ -155,12 +155,15 @@ def tiny_corpus_config(folder, config_template: str, line: str, lines: int):
     return cfg
 
 
-def run_train(ranks: int, config, run_dir, *flags: str, timeout: float = 120):
-    """``mpiexec -n ranks python -m hpctrain.cli train --config C --run-dir D FLAGS``."""
+def run_train(ranks: int, config, run_dir, *flags: str, timeout: float = 120,
+              env: dict | None = None):
+    """``mpiexec -n ranks python -m hpctrain.cli train --config C --run-dir D FLAGS``
+    (``env``: variables added to the job's environment, as ``run_mpi``)."""
     import sys
 
     return run_mpi(ranks, [sys.executable, "-m", "hpctrain.cli", "train", "--config",
-                           str(config), "--run-dir", str(run_dir), *flags], timeout=timeout)
+                           str(config), "--run-dir", str(run_dir), *flags], timeout=timeout,
+                   env=env)
 
 # A training job that saves twice and SIGKILLs one rank at a writer event of the second
 # save: argv root, event, victim rank, the config as JSON (the kill tests).

@@ -5,11 +5,9 @@ parameter and the value to give it; under MPICH's ``mpiexec``, which passes sign
 nothing is said."""
 
 import os
-import subprocess
-import sys
 
 from hpctrain import preempt
-from hpctrain.testing import mpiexec, tiny_corpus_config
+from hpctrain.testing import run_train, tiny_corpus_config
 
 CONFIG = """
 [model]
@@ -29,11 +27,7 @@ path = "{data}"
 
 def test_rank_0_names_a_kill_delay_too_short_for_a_stop(tmp_path):
     cfg = tiny_corpus_config(tmp_path, CONFIG, "to be, or not to be, that is the question.", 400)
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", "--config",
-           str(cfg), "--run-dir", str(tmp_path / "run")]
-    job = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1",
-                              preempt.ORTE_KILL_DELAY: "0"})
+    job = run_train(2, cfg, tmp_path / "run", env={preempt.ORTE_KILL_DELAY: "0"})
     assert job.returncode == 0, job.stderr
     notes = [line for line in job.stdout.splitlines() if "odls_base_sigkill_timeout" in line]
     if os.environ["HPCTRAIN_EXPECT_MPI"] == "openmpi":
