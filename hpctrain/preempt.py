@@ -1,8 +1,9 @@
 """Preemption and interruption: a signal asks the job to checkpoint at the end of the
 step and stop.
 
-SLURM sends SIGUSR1 before the time limit (``#SBATCH --signal=USR1@N``) or when told
-(``scancel --signal=USR1``); schedulers and ``kill`` send SIGTERM. The handler only
+SLURM sends SIGUSR1 before the time limit (``#SBATCH --signal=B:USR1@N``: to the job
+script, which passes it to its launcher and that to the ranks) or when told (``scancel
+--batch --signal=USR1``); schedulers and ``kill`` send SIGTERM. The handler only
 sets a flag, so the signal may arrive anywhere, even inside BLAS or MPI. At the end of
 every step the ranks agree with one tiny all-reduce: if any rank was signalled, all
 of them save and stop after the *same* step, and ``hpctrain train`` exits with
@@ -22,7 +23,9 @@ rank at once, SIGTERM ``odls_base_sigkill_timeout`` seconds later (default 1) an
 SIGKILL as long again after that (measured: DEVELOPERS.md). The ranks take the SIGTERM
 as a preemption and stop after the step with a checkpoint, if the step and the save fit
 in that time; ``stop_time_note`` tells rank 0 when they do not (``train`` asks after its
-first checkpoint).
+first checkpoint). Open MPI 5's ``mpirun`` (PRRTE) runs the same sequence with fixed
+steps of 0.25 s that no parameter changes, so there a run is stopped with its checkpoint
+by SIGUSR1 to ``mpirun``, which passes that signal on, and the note says so.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ PREEMPTED, INTERRUPTED = 1, 2
 ORTE_URI = "OMPI_MCA_orte_hnp_uri"
 ORTE_KILL_DELAY = "OMPI_MCA_odls_base_sigkill_timeout"
 EXIT_S = 0.5  # what a rank takes to leave after its checkpoint (finalize, exit)
+# under Open MPI 5's mpirun (PRRTE, which sets PRTE_LAUNCHED in the ranks): SIGTERM 0.25 s
+# after its own Ctrl-C or SIGTERM, SIGKILL 0.25 s after that, fixed in PRRTE's code
+PRRTE_MARK = "PRTE_LAUNCHED"
+PRRTE_KILL_DELAY = 0.25
 
 _received: list[int] = []
 _speaker = [True]  # whether this rank says that a Ctrl-C was seen (rank 0 of the job)
@@ -129,13 +136,28 @@ def stop_time_note(step_s: float, save_s: float, env: dict | None = None) -> str
     """The line rank 0 prints when a stop would be killed before its checkpoint is
     written: under Open MPI's ``mpirun`` run by hand (a terminal's Ctrl-C, ``kill``), a
     rank signalled just as a step begins needs the step (``step_s``), the save
-    (``save_s``) and ``EXIT_S`` to leave, and gets ``orte_kill_delay`` seconds. None
-    when that is enough, under another launcher, or in a SLURM job (its preemption
-    signal reaches the ranks themselves: ``jobscripts/train.sbatch``)."""
+    (``save_s``) and ``EXIT_S`` to leave, and gets ``orte_kill_delay`` seconds; under
+    Open MPI 5's (PRRTE) it gets ``PRRTE_KILL_DELAY`` for the step and the save, which no
+    setting lengthens, so the note names SIGUSR1 instead. None when that is enough,
+    under another launcher, or in a SLURM job (``jobscripts/train.sbatch`` passes
+    SIGUSR1 on to its launcher)."""
     env = os.environ if env is None else env
+    if "SLURM_JOB_ID" in env:
+        return None
+    if env.get(PRRTE_MARK) == "1":
+        need = step_s + save_s
+        if need <= PRRTE_KILL_DELAY:
+            return None
+        return (f"note: Open MPI 5's mpirun stops a job on Ctrl-C or SIGTERM by sending the "
+                f"ranks SIGTERM after {PRRTE_KILL_DELAY} s and SIGKILL {PRRTE_KILL_DELAY} s "
+                f"later, times no setting changes; this run needs up to {need:.1f} s to "
+                f"finish a step ({step_s:.1f} s) and save ({save_s:.1f} s), so such a stop "
+                f"loses the steps since the last checkpoint: stop it with SIGUSR1 to "
+                f"mpirun instead (kill -USR1 PID-of-mpirun), which mpirun passes to every "
+                f"rank: they save and exit with status {EXIT_PREEMPTED}")
     delay = orte_kill_delay(env)
     need = step_s + save_s + EXIT_S
-    if delay is None or need <= delay or "SLURM_JOB_ID" in env:
+    if delay is None or need <= delay:
         return None
     advice = max(5, math.ceil(1.5 * need))
     return (f"note: Open MPI's mpirun stops a job on Ctrl-C or SIGTERM by sending the ranks "
