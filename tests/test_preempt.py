@@ -98,14 +98,14 @@ def test_ctrl_c_checkpoints_exits_130_and_the_run_resumes(tmp_path):
     # that (preempt.py), so the ranks stop as if preempted, given 5 s here to do it; Open
     # MPI 5's gives them 0.25 s, which no setting changes, and this model's step and save
     # take a few milliseconds
-    orte = os.environ.get("HPCTRAIN_EXPECT_MPI") in ("openmpi", "openmpi5")
+    mpirun = os.environ.get("HPCTRAIN_EXPECT_MPI") in ("openmpi", "openmpi5")
     # mpirun reads nothing the ranks print while it waits to kill them: this model's
     # progress lines (400 a second) would fill rank 0's terminal and block it there
     cfg = prepare(tmp_path, CONFIG.replace("eval_interval = 0", "eval_interval = 0\n"
-                                           "log_interval = 100000") if orte else CONFIG)
-    steps = 100_000 if orte else 300  # steps of a few ms: some must be left after 5 s
+                                           "log_interval = 100000") if mpirun else CONFIG)
+    steps = 100_000 if mpirun else 300  # steps of a few ms: some must be left after 5 s
     job = launch(cfg, tmp_path / "run", "--steps", str(steps),
-                 env={preempt.ORTE_KILL_DELAY: "5"} if orte else None)
+                 env={preempt.ORTE_KILL_DELAY: "5"} if mpirun else None)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not (metrics.exists() and len(read_metrics(metrics)) >= 5):
@@ -116,7 +116,7 @@ def test_ctrl_c_checkpoints_exits_130_and_the_run_resumes(tmp_path):
     assert "Traceback" not in err
     stopped = read_metrics(metrics)[-1]["step"]
     assert 5 <= stopped < steps
-    if orte:  # mpirun reports a job it stopped as failed, whatever the ranks' status, and
+    if mpirun:  # mpirun reports a job it stopped as failed, whatever the ranks' status, and
         # may drop what they print once it stops it (DEVELOPERS.md): the files tell
         assert job.returncode not in (0, 130), (job.returncode, err)
     else:
