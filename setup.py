@@ -39,7 +39,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "hpctrain = hpctrain.cli:run",
+            "hpctrain = hpctrain.entry:run",
             "hpctrain-prep = data_prep.cli:main",
         ]
     },

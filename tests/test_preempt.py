@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from hpctrain import preempt
 from hpctrain.metrics import read_metrics
@@ -192,6 +193,37 @@ def test_ctrl_c_during_start_up_stops_before_any_step_and_saves_nothing(tmp_path
         in result.stdout, result.stdout
     assert not (run / "checkpoints").exists()
     assert [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == []
+
+
+def caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_sigusr1_while_the_program_still_loads_stops_it_before_any_step(tmp_path):
+    # a rank signalled in its first second, while the command line and NumPy load: the
+    # console script catches it within milliseconds, and the run stops before its first
+    # step with the status a batch script requeues, instead of dying of the signal
+    cfg = prepare(tmp_path)
+    run = tmp_path / "run"
+    job = subprocess.Popen([str(Path(sys.executable).parent / "hpctrain"), "train", "--config",
+                            str(cfg), "--run-dir", str(run)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 30
+    while not caught(job.pid, signal.SIGUSR1):
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.001)
+    maps = Path(f"/proc/{job.pid}/maps").read_text()
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=120)
+    assert "_multiarray_umath" not in maps, "SIGUSR1 was caught only after NumPy had loaded"
+    assert job.returncode == preempt.EXIT_PREEMPTED, err
+    assert "preempted (SIGUSR1) during start-up: no step trained, nothing saved" in out, out
+    assert not (run / "checkpoints").exists()
 
 
 ORTE = {preempt.ORTE_URI: "1110441984.0;tcp://10.0.0.1:57769"}  # what mpirun sets

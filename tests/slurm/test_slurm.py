@@ -119,6 +119,21 @@ def wait_for(env, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
                          + job_report(env, job_id))
 
 
+def wait_for_requeued(env, job_id, timeout=300) -> None:
+    """Wait until a signalled job has requeued itself (Restarts=1), run again and
+    completed; fail at once if it failed, was cancelled, or completed unrequeued."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = job_fields(env, job_id)
+        if fields.get("Restarts") == "1" and fields.get("JobState") == "COMPLETED":
+            return
+        assert not (fields.get("Restarts") == "0" and fields.get("JobState") == "COMPLETED"), \
+            "the run finished before the signal landed: " + job_report(env, job_id)
+        assert time.monotonic() < deadline, job_report(env, job_id)
+        assert fields.get("JobState") not in ("FAILED", "CANCELLED"), job_report(env, job_id)
+        time.sleep(1)
+
+
 def job_report(env, job_id, workdir: Path | None = None) -> str:
     """What a failed assertion shows: the job's state and reason, and the tail of its
     output and error files (the whole dict of scontrol fields is cut by pytest)."""
@@ -199,17 +214,7 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
     # a signal to the steps would reach none of them)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True,
                    timeout=30)
-    # the job requeues itself (Restarts=1), runs again and completes
-    deadline = time.monotonic() + 300
-    while True:
-        fields = job_fields(cluster, job)
-        if fields.get("Restarts") == "1" and fields.get("JobState") == "COMPLETED":
-            break
-        assert not (fields.get("Restarts") == "0" and fields.get("JobState") == "COMPLETED"), \
-            "the run finished before the signal landed: " + job_report(cluster, job)
-        assert time.monotonic() < deadline, job_report(cluster, job)
-        assert fields.get("JobState") not in ("FAILED", "CANCELLED"), job_report(cluster, job)
-        time.sleep(1)
+    wait_for_requeued(cluster, job)
     log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
     assert "SIGUSR1, passed on to the ranks" in log, log
     assert "preempted, checkpoint saved" in log and "(restart 1)" in log, log
@@ -223,6 +228,38 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
     want = {r["step"]: r["loss"]
             for r in read_metrics(tmp_path / "uninterrupted" / "metrics.jsonl")}
     assert got == want  # bitwise: same layout, resumed from an exact checkpoint
+
+
+def test_a_signal_before_the_launch_requeues_the_job_without_starting_it(cluster, text_data,
+                                                                       tmp_path):
+    # the template with a slow site setup, as a module system's can be: a SIGUSR1 that
+    # comes then (a short time limit, an early scancel) finds no launcher to pass it to;
+    # the job must go back to the queue and run later, not die of the signal
+    template = (ROOT / "jobscripts" / "train.sbatch").read_text()
+    site = '# source "$HOME/hpctrain/.venv/bin/activate"\n'
+    assert template.count(site) == 1
+    script = tmp_path / "slow-site.sbatch"
+    script.write_text(template.replace(site, site + 'echo "site setup"; sleep 5\n'))
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_GPT.format(steps=6, data=text_data))
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--nodes=1",
+                          "--ntasks-per-node=2", str(script)],
+                         env={**cluster, "CONFIG": str(cfg), "RUN_DIR": str(tmp_path / "run")},
+                         capture_output=True, text=True, timeout=60, check=True
+                         ).stdout.strip().split(";")[0]
+    out = tmp_path / f"hpctrain-train-{job}.out"
+    deadline = time.monotonic() + 120
+    while not (out.exists() and "site setup" in out.read_text()):
+        assert time.monotonic() < deadline, job_report(cluster, job)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True,
+                   timeout=30)
+    wait_for_requeued(cluster, job)
+    log = out.read_text()
+    assert f"job {job}: SIGUSR1 before the launch; requeueing without starting" in log, log
+    assert "(restart 1)" in log and log.count("step 1/6") == 1, log  # trained once
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == \
+        list(range(1, 7))
 
 
 def test_one_job_across_two_nodes_and_srun_on_one(cluster, emulated, text_data, tmp_path):
