@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpctrain.data.format import DataError
+
 
 class MetricsWriter:
     """Appends metrics records to ``run_dir/metrics.jsonl`` and prints progress."""
@@ -19,13 +21,17 @@ class MetricsWriter:
         (a run resumed from step N's checkpoint redoes the steps after N)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._stream = stream if stream is not None else sys.stdout
         if resume_after is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_after]
+            records, cut = read_records(self.path)
+            kept = [r for r in records if r["step"] <= resume_after]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
             tmp.replace(self.path)
+            if cut:
+                self.say(f"{self.path}: its last line was cut off mid-record (the run "
+                         f"stopped while writing it): dropped")
         self._file = self.path.open("w" if resume_after is None else "a", encoding="utf-8")
-        self._stream = stream if stream is not None else sys.stdout
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -76,7 +82,35 @@ def progress_line(rec: dict[str, Any], total_steps: int, unit: str = "tok/s") ->
     return " | ".join(parts)
 
 
+class MetricsError(DataError):
+    """A metrics file holds a line that is not a JSON record; the message names it."""
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics file, in order (for tests, plots and resume checks)."""
-    with Path(path).open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """All records of a metrics file, in order (for tests, plots and resume checks); a
+    last line cut off mid-record (no newline: the run stopped while writing it) is left
+    out, any other line that is not a JSON object is a ``MetricsError``."""
+    return read_records(path)[0]
+
+
+def read_records(path: str | Path) -> tuple[list[dict[str, Any]], bool]:
+    """``read_metrics``'s records, and whether a cut-off last line was left out."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")  # the last item: what follows the last newline
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # no newline after it: a write cut short
+                return records, True
+            raise MetricsError(f"{path}, line {number}: not a JSON record ({err}); remove "
+                               f"or repair that line") from None
+        if not isinstance(record, dict):
+            raise MetricsError(f"{path}, line {number}: a JSON {type(record).__name__}, "
+                               f"not a record (an object); remove or repair that line")
+        records.append(record)
+    return records, False

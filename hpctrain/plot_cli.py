@@ -33,9 +33,12 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
         if not metrics.is_file():
             raise click.BadParameter(f"{metrics} does not exist (a run folder holds "
                                      f"metrics.jsonl)", param_hint="RUN")
-        from hpctrain.metrics import read_metrics
+        from hpctrain.metrics import MetricsError, read_metrics
 
-        records = read_metrics(metrics)
+        try:
+            records = read_metrics(metrics)
+        except MetricsError as err:
+            raise click.ClickException(str(err)) from None
         if not records:
             raise click.BadParameter(f"{metrics} has no records", param_hint="RUN")
         folder = Path(out) if out else metrics.parent

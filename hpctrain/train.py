@@ -249,6 +249,41 @@ def _refuse_overwrite(cfg: Config) -> None:
                         f"with --resume auto, or start afresh in another --run-dir")
 
 
+def _check_outputs(cfg: Config, resume: str | None, trace_path: str | None) -> None:
+    """What rank 0 will write, checked before anything is built: the run folder exists
+    or can be made and takes files, ``checkpoints`` in it is a folder if it exists, a
+    resumed run's ``metrics.jsonl`` can be read, the trace's folder takes files. Found
+    at the end (the first save, the trace after the last step), these failed after the
+    whole run."""
+    import tempfile
+
+    from hpctrain.metrics import read_metrics
+
+    def writable(folder: Path, what: str) -> None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".hpctrain-probe-"):
+                pass
+        except OSError as err:
+            where = f": {err.filename}" if err.filename and Path(err.filename) != folder else ""
+            raise UserError(f"{what} {folder}: cannot be made or written to "
+                            f"({err.strerror or err}{where}); choose another") from None
+
+    run_dir = Path(cfg.train.run_dir)
+    writable(run_dir, "the run folder (--run-dir)")
+    root = checkpoint_root(run_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} is a file, where the run keeps its checkpoints (a folder): "
+                        f"move it away, or choose another --run-dir")
+    metrics = run_dir / "metrics.jsonl"
+    if resume and metrics.is_file():
+        read_metrics(metrics)  # the records a resume keeps: a MetricsError names the line
+    if trace_path is not None:  # (click refuses a folder)
+        writable(Path(trace_path).parent, "--trace's folder")
+    if not resume:
+        _refuse_overwrite(cfg)
+
+
 def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dict,
           background, writer, extra: dict | None = None) -> Path | None:
     """Checkpoint after ``step`` (collective); rank 0 says where and how long; returns
@@ -325,6 +360,13 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
         else:
             kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
         writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
+        ends = sched.get("total_steps", cfg.train.steps)
+        if cfg.train.steps > ends and sched["min_lr"] != sched["lr"]:
+            writer.say(f"warning: the schedule ends at step {ends} and the run goes on to "
+                       f"step {cfg.train.steps}: steps {max(ends, resumed.step) + 1}-"
+                       f"{cfg.train.steps} train at min_lr {sched['min_lr']:.2e}; "
+                       f"--reset-schedule takes the config's schedule, which ends at "
+                       f"--steps")
         if cfg.train.checkpoint_read == "shared" and topo.dp_size > 1:
             writer.say(f"checkpoint read shared: rank 0 read {resumed.bytes_read / 1e6:.1f} "
                        f"MB of its {resumed.bytes_held / 1e6:.1f} MB from the files, the "
@@ -372,8 +414,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ``after_step``: called on every rank after each step, outside its timing (the
     benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
     """
-    if not resume:
-        startup_check(comm, lambda: _refuse_overwrite(cfg))
+    startup_check(comm, lambda: _check_outputs(cfg, resume, trace_path)
+                  if comm.Get_rank() == 0 else None)
     nn_kernels.load(cfg.model.dtype)  # numba's machine code now, not in the first step
     memory = None
     if cfg.train.memory_report:  # traced from here: the engine's arrays included
@@ -458,7 +500,15 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         _write_trace(cfg, comm, topo, loop.tracer, trace_path, None if quiet else writer)
     if writer is not None:
         if not quiet:
-            ran = f"stopped after step {step} of {t.steps}" if preempted else f"{t.steps} steps"
+            if preempted:
+                ran = f"stopped after step {step} of {t.steps}"
+            elif first > t.steps:
+                ran = (f"no step left to train (the checkpoint is at step {first - 1}, "
+                       f"--steps {t.steps})")
+            elif first > 1:
+                ran = f"steps {first}-{t.steps} ({t.steps - first + 1} trained)"
+            else:
+                ran = f"{t.steps} steps"
             writer.say(f"done: {ran} in {seconds:.1f} s; metrics in {writer.path}")
         if memory is not None and memory.last and not quiet:
             writer.say(memory.table())
