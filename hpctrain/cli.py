@@ -250,6 +250,9 @@ def train(config_path: str, quiet: bool, resume: str | None, reset_schedule: boo
     from hpctrain import preempt
 
     preempt.install()  # first: SLURM may signal a job that is still starting
+    if resume is not None and not resume.strip():  # every rank alike, before MPI starts
+        raise click.BadParameter("empty: give 'auto' or a checkpoint's path (omit the "
+                                 "option for a fresh run)", param_hint="--resume")
     from mpi4py import MPI
 
     from hpctrain import config as config_mod

@@ -128,3 +128,9 @@ def test_a_resume_keeps_the_records_before_a_cut_line_and_says_what_it_trained(c
     assert result.returncode == 0, result.stderr
     assert "done: no step left to train (the checkpoint is at step 6, --steps 3)" in \
         result.stdout
+
+
+def test_an_empty_resume_is_refused_not_taken_for_a_fresh_run(config_file, tmp_path):
+    result = run_train(2, config_file, tmp_path / "run", "--resume", "")
+    assert result.returncode == 2 and "--resume: empty: give 'auto'" in result.stderr
+    assert not (tmp_path / "run").exists()
