@@ -13,6 +13,7 @@ the same message, e.g. ``tp (3) must divide n_head (8)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -209,7 +210,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 1234
     eval_interval: int = 50  # steps between validation passes; 0 disables
-    eval_batches: int = 8
+    eval_batches: int = 8  # batches a validation pass; 0: the whole split (ratings, volumes)
     log_interval: int = 10
     run_dir: str = "runs/default"
     save_interval: int = 0  # steps between checkpoints (and at the last step); 0: none
@@ -260,6 +261,7 @@ class Config:
 
     def validate(self, world_size: int) -> Config:
         """Check every rule against ``world_size``; return the config with ``dp`` resolved."""
+        _check_finite(self)
         # model rules first: they hold whatever the world size, so `--tp 3` on an
         # 8-head model says so even when the rank count is wrong too
         _check_model(self.model, self.parallel)
@@ -270,6 +272,7 @@ class Config:
 
             check_sharding(self.model, par)
         _check_train(self.train, par)
+        _check_eval(self.model, self.train)
         _check_recompute(self.model, par, self.train)
         _check_precision(self.model, par, self.train)
         _check_batch_threads(self.model, par, self.train)
@@ -294,6 +297,18 @@ def _require(ok: bool, message: str) -> None:
 
 def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, f"{name} ({value!r}) must be one of {', '.join(choices)}")
+
+
+def _check_finite(cfg: Config) -> None:
+    """Every float field of every section is a finite number: inf passes range rules
+    such as ``lr > 0`` and nan reaches none, and either shows only steps later, as NaN
+    parameters. The range rules of each field follow in its section's checks."""
+    for section in fields(cfg):
+        part = getattr(cfg, section.name)
+        for f in fields(part):
+            value = getattr(part, f.name)
+            if f.type == "float":
+                _require(math.isfinite(value), f"{f.name} ({value}) must be a finite number")
 
 
 def _inner(par: ParallelConfig) -> tuple[str, int]:
@@ -476,12 +491,21 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
     _require(t.lr > 0, f"lr ({t.lr}) must be positive")
     _require(0 <= t.min_lr <= t.lr, f"min_lr ({t.min_lr}) must be between 0 and lr ({t.lr})")
     _require(t.warmup_steps >= 0, f"warmup_steps ({t.warmup_steps}) must not be negative")
+    _require(t.weight_decay >= 0, f"weight_decay ({t.weight_decay}) must not be negative")
+    # betas: the decay of Adam's averages (AdamW and the tables' Adam); eps: the floor
+    # of Adam's and AdaGrad's denominator (at 0 a zero gradient divides 0 by 0)
+    _require(0 <= t.beta1 < 1, f"beta1 ({t.beta1}) must be in [0, 1)")
+    _require(0 <= t.beta2 < 1, f"beta2 ({t.beta2}) must be in [0, 1)")
+    _require(t.eps > 0, f"eps ({t.eps}) must be positive")
+    _require(0 <= t.momentum < 1, f"momentum ({t.momentum}) must be in [0, 1)")
     _require(t.grad_clip >= 0, f"grad_clip ({t.grad_clip}) must not be negative")
     _require(t.eval_interval >= 0, f"eval_interval ({t.eval_interval}) must not be negative")
     _require(t.log_interval >= 1, f"log_interval ({t.log_interval}) must be at least 1")
     _require(t.save_interval >= 0, f"save_interval ({t.save_interval}) must not be negative")
     _require(t.keep_checkpoints >= 1,
              f"keep_checkpoints ({t.keep_checkpoints}) must be at least 1")
+    _require(t.run_dir.strip() != "", f"run_dir ({t.run_dir!r}) must name a folder: "
+                                      f"metrics.jsonl, config.json and checkpoints go there")
     _require_choice("checkpoint_io", t.checkpoint_io, ("auto", "mpio", "files"))
     _require_choice("checkpoint_read", t.checkpoint_read, ("each", "shared"))
     if t.checkpoint_io == "mpio":
@@ -496,6 +520,23 @@ def _check_train(t: TrainConfig, par: ParallelConfig) -> None:
              f"max_skipped_steps ({t.max_skipped_steps}) must be at least 1")
     _require(t.stall_timeout == 0 or t.stall_timeout >= 1,
              f"stall_timeout ({t.stall_timeout}) must be 0 (off) or at least 1 second")
+
+
+def _check_eval(m: ModelConfig, t: TrainConfig) -> None:
+    """eval_batches: validation batches drawn from token streams and images are at
+    least one (none averages to a NaN loss); ratings and volumes are covered whole when
+    it is 0 (``hpctrain.data.eval_batches``)."""
+    from hpctrain.data.format import RATINGS, VOLUMES
+    from hpctrain.models.registry import model_class
+
+    cls = model_class(m.kind)
+    if cls.data_format in (RATINGS, VOLUMES):
+        _require(t.eval_batches >= 0, f"eval_batches ({t.eval_batches}) must not be "
+                                      f"negative (0: the whole validation split)")
+    else:
+        _require(t.eval_batches >= 1,
+                 f"eval_batches ({t.eval_batches}) must be at least 1 for the {cls.name} "
+                 f"(0, the whole validation split, is for ratings and volumes)")
 
 
 def _check_batch_threads(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:

@@ -1,5 +1,8 @@
 """Config loading and the validation rules: each message names the values and the rule."""
 
+import math
+from dataclasses import fields
+
 import pytest
 
 from hpctrain import config as C
@@ -134,3 +137,75 @@ def test_the_dp_reduce_option_of_hpctrain_train(tmp_path):
     result = CliRunner().invoke(main, ["train", "--config", str(path), "--dp-reduce", "tree"])
     assert result.exit_code == 2
     assert "'tree' is not one of 'flat', 'hierarchical'" in result.output
+
+
+# every float of every section: inf passes range rules such as lr > 0, nan reaches none
+FLOAT_KEYS = [f"{s.name}__{f.name}" for s in fields(C.Config)
+              for f in fields(s.default_factory()) if f.type == "float"]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_must_be_finite(key, value):
+    cfg, world = cfg_with(1, **{key: value})
+    name = key.split("__")[1]
+    with pytest.raises(C.ConfigError, match=rf"^{name} \({value}\) must be a finite number$"):
+        cfg.validate(world)
+
+
+def test_non_finite_values_from_the_file_and_the_command_line(tmp_path):
+    with pytest.raises(C.ConfigError, match=r"^eps \(inf\) must be a finite number$"):
+        C.load(write(tmp_path, "[train]\neps = inf\n")).validate(1)
+    with pytest.raises(C.ConfigError, match=r"^lr \(inf\) must be a finite number$"):
+        C.load(write(tmp_path, ""), {"train.lr": float("inf")}).validate(1)  # --lr inf
+
+
+GPT_EVAL = r"must be at least 1 for the GPT \(0, the whole validation split, is for ratings"
+
+
+@pytest.mark.parametrize("args, message", [
+    (cfg_with(1, train__eps=0.0), r"^eps \(0.0\) must be positive$"),
+    (cfg_with(1, train__eps=-1e-8), r"^eps \(-1e-08\) must be positive$"),
+    (cfg_with(1, train__beta1=1.5), r"^beta1 \(1.5\) must be in \[0, 1\)$"),
+    (cfg_with(1, train__beta1=-0.1), r"^beta1 \(-0.1\) must be in \[0, 1\)$"),
+    (cfg_with(1, train__beta2=1.0), r"^beta2 \(1.0\) must be in \[0, 1\)$"),
+    (cfg_with(1, train__beta2=-0.5), r"^beta2 \(-0.5\) must be in \[0, 1\)$"),
+    (cfg_with(1, train__weight_decay=-0.5), r"^weight_decay \(-0.5\) must not be negative$"),
+    (cfg_with(1, train__optimizer="sgd", train__momentum=1.0),
+     r"^momentum \(1.0\) must be in \[0, 1\)$"),
+    (cfg_with(1, train__momentum=-0.1), r"^momentum \(-0.1\) must be in \[0, 1\)$"),
+    (cfg_with(1, train__eval_batches=0), rf"^eval_batches \(0\) {GPT_EVAL}"),
+    (cfg_with(1, train__eval_batches=-3), rf"^eval_batches \(-3\) {GPT_EVAL}"),
+    (cfg_with(1, train__eval_batches=0, train__eval_interval=0),
+     rf"^eval_batches \(0\) {GPT_EVAL}"),  # steps = 0 still evaluates
+    (cfg_with(1, model__kind="mlp", train__eval_batches=0),
+     r"^eval_batches \(0\) must be at least 1 for the MLP classifier"),
+    (cfg_with(1, model__kind="seg3d", train__eval_batches=-1),
+     r"^eval_batches \(-1\) must not be negative \(0: the whole validation split\)$"),
+    (cfg_with(1, train__run_dir=""), r"^run_dir \(''\) must name a folder: metrics.jsonl"),
+    (cfg_with(1, train__run_dir="  "), r"^run_dir \('  '\) must name a folder"),
+])
+def test_optimizer_evaluation_and_run_dir_rules(args, message):
+    cfg, world = args
+    with pytest.raises(C.ConfigError, match=message):
+        cfg.validate(world)
+
+
+@pytest.mark.parametrize("args", [
+    cfg_with(1, train__eps=1e-30, train__beta1=0.0, train__beta2=0.0, train__weight_decay=0.0,
+             train__momentum=0.0, train__grad_clip=0.0, train__eval_batches=1),
+    cfg_with(1, train__eval_interval=0),  # evaluation off, eval_batches at its default
+    cfg_with(1, model__kind="seg3d", train__eval_batches=0),  # the whole split
+    cfg_with(1, train__run_dir="."),
+])
+def test_the_edges_of_the_rules_are_accepted(args):
+    cfg, world = args
+    assert cfg.validate(world).train == cfg.train
+
+
+def test_the_shipped_dlrm_config_evaluates_the_whole_fold():
+    from pathlib import Path
+
+    cfg = C.load(Path(__file__).parent.parent / "configs" / "dlrm-movielens.toml")
+    assert cfg.train.eval_batches == 0
+    assert cfg.validate(1).train.eval_batches == 0
