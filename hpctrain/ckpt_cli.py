@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -22,13 +23,45 @@ def _fail(messages: list[str]) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _not_hdf5(path: str) -> bool:
+    """Whether ``path`` is a file without HDF5's signature where HDF5 looks for it (at
+    byte 0, 512, 1024, 2048, ...): no checkpoint at all (``metrics.jsonl``), rather than
+    a damaged one."""
+    from hpctrain.checkpoint.format import LATEST_NAME
+
+    file = Path(path)
+    if not file.is_file() or file.name == LATEST_NAME:  # the pointer is text: followed
+        return False
+    size, at = file.stat().st_size, 0
+    with file.open("rb") as fh:
+        while at + len(HDF5_SIGNATURE) <= size:
+            fh.seek(at)
+            if fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                return False
+            at = max(512, 2 * at)
+    return True
+
+
+def _open_error(path: str, err: Exception) -> str:
+    """The message of a checkpoint that failed to open: for a file that is not HDF5 at
+    all, what a CHECKPOINT argument is instead of the reader's remedy (load an earlier
+    checkpoint), which is for a damaged one."""
+    if _not_hdf5(path):
+        return (f"{path}: not an hpctrain checkpoint (not an HDF5 file); give a run folder, "
+                f"a checkpoints folder, a step folder or a consolidated .h5 file")
+    return str(err)
+
+
 def _opened(path: str):
     from hpctrain.checkpoint import Checkpoint, CheckpointError
 
     try:
         return Checkpoint(path)
     except CheckpointError as err:
-        _fail([str(err)])
+        _fail([_open_error(path, err)])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -107,7 +140,7 @@ def verify(checkpoint: str) -> None:
     try:
         ck, problems = check(checkpoint)
     except CheckpointError as err:
-        _fail([str(err)])
+        _fail([_open_error(checkpoint, err)])
     if problems:
         _fail(problems)
     pieces = sum(len(t.pieces) for t in ck.tensors.values())
@@ -123,13 +156,19 @@ def verify(checkpoint: str) -> None:
                    "folder (from a consolidated file).")
 @click.option("--files", default=1, show_default=True, type=click.IntRange(min=1),
               help="Data files to spread the pieces over, when writing a folder.")
-@click.option("--force", is_flag=True, help="Replace an existing consolidated file.")
+@click.option("--force", is_flag=True,
+              help="Replace what exists. Writing a file: the file (or empty folder) at "
+                   "OUTPUT. Writing a folder: OUTPUT/step-N/, and move OUTPUT/latest back "
+                   "if it names a later step. Never a file of the checkpoint converted.")
 def convert(checkpoint: str, output: str, files: int, force: bool) -> None:
     """Convert between a checkpoint folder and a consolidated single file.
 
     From a folder (any layout) it writes one HDF5 file with every tensor whole; from
     such a file it writes OUTPUT/step-N/ and OUTPUT/latest, which `hpctrain train
-    --resume OUTPUT` loads at any layout.
+    --resume OUTPUT` loads at any layout (a run with --averaging other than sync: the
+    same averaging and dp only). Nothing is written over without --force
+    (an existing output, OUTPUT/step-N/, a latest naming a later step), and nothing
+    is written at all when it is refused.
 
     \b
     Examples:
@@ -145,7 +184,7 @@ def convert(checkpoint: str, output: str, files: int, force: bool) -> None:
         single = ck.index.files == [SELF]
     try:
         if single:
-            done = expand(checkpoint, output, files=files)
+            done = expand(checkpoint, output, files=files, force=force)
         else:
             done = consolidate(checkpoint, output, force=force)
     except (CheckpointError, DataError) as err:

@@ -11,6 +11,14 @@ over ``n`` data files (the flat layout of ``format``: the layout of every file i
 first, from the index, then each tensor is read once and its pieces written straight
 to their offsets), so that a large checkpoint is read in parallel. Both are serial
 and go through the reader, so every piece is checked on the way.
+
+Both check their output before they write anything: neither ever writes over a file
+of the checkpoint it reads, nor replaces an existing output without ``force``. For
+``expand`` the output is two things in a folder, ``step-N/`` and ``latest``
+(``check_folder_output``): an existing ``step-N/``, or a ``latest`` naming a later
+step (which the write would move back: a resume from the folder would then start
+from step N), need ``force``; a newer step added beside older ones does not, as a
+save in training.
 """
 
 from __future__ import annotations
@@ -21,12 +29,16 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain.checkpoint.format import (
+    LATEST_NAME,
     SELF,
+    CheckpointError,
     Piece,
     TensorEntry,
     blocksum64,
     data_filename,
     flat_name,
+    step_dirname,
+    step_of,
     write_index,
 )
 from hpctrain.checkpoint.rankfile import allocate_flat, flat_layout, pwrite_all
@@ -39,18 +51,74 @@ from hpctrain.data.format import atomic_h5
 def consolidate(src: str | Path, dst: str | Path, *, force: bool = False) -> Path:
     """Write the checkpoint ``src`` as the single file ``dst`` (atomically)."""
     dst = Path(dst)
-    with Checkpoint(src) as ckpt, atomic_h5(dst, force=force) as f:
-        entries = []
-        for entry in ckpt.tensors.values():
-            full = ckpt.read_full(entry.name)
-            dataset = f"data/{entry.name}"
-            f.create_dataset(dataset, data=full)
-            # no offset: a copied or repacked single file must still load (through HDF5)
-            piece = Piece(SELF, dataset, (0,) * full.ndim, full.shape, blocksum64(full))
-            entries.append(TensorEntry(entry.name, entry.dtype, entry.global_shape,
-                                       entry.tp_split, entry.tp_blocks, (piece,)))
-        write_index(f, step=ckpt.step, meta=ckpt.meta, files=[SELF], tensors=entries)
+    with Checkpoint(src) as ckpt:
+        check_file_output(ckpt, dst, force)
+        with atomic_h5(dst, force=force) as f:
+            entries = []
+            for entry in ckpt.tensors.values():
+                full = ckpt.read_full(entry.name)
+                dataset = f"data/{entry.name}"
+                f.create_dataset(dataset, data=full)
+                # no offset: a copied or repacked single file must still load (through HDF5)
+                piece = Piece(SELF, dataset, (0,) * full.ndim, full.shape, blocksum64(full))
+                entries.append(TensorEntry(entry.name, entry.dtype, entry.global_shape,
+                                           entry.tp_split, entry.tp_blocks, (piece,)))
+            write_index(f, step=ckpt.step, meta=ckpt.meta, files=[SELF], tensors=entries)
     return dst
+
+
+def check_file_output(ckpt: Checkpoint, dst: Path, force: bool) -> None:
+    """Refuse, before anything is written, a ``dst`` that is a file of ``ckpt`` itself
+    (even with ``force``), or an existing folder, even an empty one, without ``force``
+    (``atomic_h5`` refuses the other existing outputs)."""
+    own = [ckpt.index.path] + [ckpt.index.file_path(name) for name in ckpt.index.files]
+    if dst.is_file() and any(p.is_file() and dst.samefile(p) for p in own):
+        raise CheckpointError(f"{dst}: is a file of the checkpoint being converted "
+                              f"({ckpt.index.path}); refusing to write over it even with "
+                              f"--force: name another output")
+    if dst.is_dir() and not force:
+        raise CheckpointError(f"{dst}: already exists (a folder); pass --force to replace "
+                              f"it")
+
+
+def check_folder_output(root: Path, step: int, source: Path, force: bool) -> None:
+    """Refuse, before anything is written, what writing ``root/step-N/`` and
+    ``root/latest`` (``expand``) would destroy: always a ``root`` that is not a folder
+    (``source``, the file being converted, or any other); without ``force``, a
+    non-empty ``root`` that is no checkpoints folder (it has no ``latest``), an
+    existing ``step-N/``, and a ``latest`` that names a later step (or no step), which
+    the write would move back to step N."""
+    if (root.exists() or root.is_symlink()) and not root.is_dir():
+        if root.is_file() and root.samefile(source):
+            raise CheckpointError(f"{root}: is the file being converted; refusing to write "
+                                  f"over it even with --force: name a folder for its "
+                                  f"{step_dirname(step)}/ and {LATEST_NAME}")
+        raise CheckpointError(f"{root}: exists and is not a folder; a consolidated file "
+                              f"converts to a checkpoints folder ({step_dirname(step)}/ and "
+                              f"{LATEST_NAME}): name a new folder, or one of checkpoints")
+    if force or not root.is_dir() or not any(root.iterdir()):
+        return
+    final, pointer = root / step_dirname(step), root / LATEST_NAME
+    if not pointer.is_file():
+        raise CheckpointError(f"{root}: already exists and is not a checkpoints folder (it "
+                              f"has no '{LATEST_NAME}' pointer); pass --force to write "
+                              f"{final.name}/ and {LATEST_NAME} into it")
+    problems, remedies = [], []
+    if final.exists() or final.is_symlink():
+        problems.append(f"{final}: already exists")
+        remedies.append(f"replace {final.name}/")
+    name = pointer.read_text(errors="replace").strip()
+    latest = step_of(Path(name))
+    if latest is None:
+        problems.append(f"{pointer}: names {name!r}, which is no step folder")
+        remedies.append(f"point {LATEST_NAME} at {final.name}")
+    elif latest > step:
+        problems.append(f"{pointer}: names {name}, a later step than {step} (a resume "
+                        f"from {root} would start from step {step})")
+        remedies.append(f"move {LATEST_NAME} back to {final.name}")
+    if problems:
+        raise CheckpointError(f"{'; '.join(problems)}; pass --force to "
+                              f"{' and '.join(remedies)}")
 
 
 def row_boxes(shape: tuple[int, ...], n: int) -> list:
@@ -62,13 +130,16 @@ def row_boxes(shape: tuple[int, ...], n: int) -> list:
                                                                       strict=True)]
 
 
-def expand(src: str | Path, dst: str | Path, *, files: int = 1) -> Path:
+def expand(src: str | Path, dst: str | Path, *, files: int = 1, force: bool = False) -> Path:
     """Write the checkpoint ``src`` as a checkpoint folder under ``dst`` with ``files``
-    data files; ``dst/latest`` names it. Returns the step folder."""
+    data files; ``dst/latest`` names it. Returns the step folder. ``force``: replace
+    an existing step folder of the same step, move ``latest`` back
+    (``check_folder_output``)."""
     if files < 1:
         raise ValueError(f"files ({files}) must be at least 1")
     root = Path(dst)
     with Checkpoint(src) as ckpt:
+        check_folder_output(root, ckpt.step, ckpt.index.path, force)
         tmp = prepare(root, ckpt.step)
         tensors = list(ckpt.tensors.values())
         where: list[list[tuple[int, tuple]]] = []  # per tensor: (file, box) of its pieces

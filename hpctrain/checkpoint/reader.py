@@ -60,7 +60,7 @@ from hpctrain.checkpoint.format import (
     read_index,
     resolve,
 )
-from hpctrain.checkpoint.rankfile import IOV_MAX, all_finite, byte_views
+from hpctrain.checkpoint.rankfile import IOV_MAX, byte_views
 from hpctrain.checkpoint.reshard import (
     Box,
     Sharding,
@@ -421,27 +421,3 @@ def share_owners(sizes: list[int], n: int) -> list[int]:
         load[who] += size
         owners.append(who)
     return owners
-
-
-def verify(path: str | Path) -> tuple[Checkpoint, list[str]]:
-    """Read every piece of every tensor; return the checkpoint and its problems (each
-    naming the file and the tensor): unreadable or corrupt pieces, and tensors that
-    hold nan or inf. Opening errors are raised."""
-    problems = []
-    with Checkpoint(path) as ckpt:
-        for entry in ckpt.tensors.values():
-            bad = {"nan": 0, "inf": 0}
-            for piece in entry.pieces:
-                try:
-                    data = ckpt.read_piece(entry, piece)
-                except CheckpointError as err:
-                    problems.append(str(err))
-                    continue
-                if not all_finite(data):
-                    bad["nan"] += int(np.isnan(data).sum())
-                    bad["inf"] += int(np.isinf(data).sum())
-            if bad["nan"] or bad["inf"]:
-                size = int(np.prod(entry.global_shape))
-                problems.append(f"{ckpt.index.path}: tensor {entry.name} is not finite: "
-                                f"{bad['nan']} nan and {bad['inf']} inf of {size} values")
-    return ckpt, problems
