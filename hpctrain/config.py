@@ -273,6 +273,7 @@ class Config:
             check_sharding(self.model, par)
         _check_train(self.train, par)
         _check_eval(self.model, self.train)
+        _check_fold(self.model, self.data)
         _check_recompute(self.model, par, self.train)
         _check_precision(self.model, par, self.train)
         _check_batch_threads(self.model, par, self.train)
@@ -537,6 +538,20 @@ def _check_eval(m: ModelConfig, t: TrainConfig) -> None:
         _require(t.eval_batches >= 1,
                  f"eval_batches ({t.eval_batches}) must be at least 1 for the {cls.name} "
                  f"(0, the whole validation split, is for ratings and volumes)")
+
+
+def _check_fold(m: ModelConfig, d: DataConfig) -> None:
+    """fold picks the validation fold of ratings data; on any other data it would be
+    ignored, so a run meant to validate on fold 9 must not train as if it did."""
+    from hpctrain.data.format import RATINGS
+    from hpctrain.models.registry import model_class
+
+    cls = model_class(m.kind)
+    _require(d.fold >= 0, f"fold ({d.fold}) must not be negative")
+    if cls.data_format != RATINGS:
+        _require(d.fold == 0, f"fold ({d.fold}) chooses a validation fold of ratings data; "
+                              f"the {cls.name} trains on {cls.data_format}, which has no "
+                              f"folds: leave fold at 0")
 
 
 def _check_batch_threads(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:

@@ -57,13 +57,14 @@ def test_missing_file_is_named():
 
 
 def cfg_with(world=1, **kw):
-    parts = {"model": {}, "parallel": {}, "train": {}}
+    parts = {"model": {}, "parallel": {}, "train": {}, "data": {}}
     for key, value in kw.items():
         section, field = key.split("__")
         parts[section][field] = value
     return C.Config(model=C.ModelConfig(**parts["model"]),
                     parallel=C.ParallelConfig(**parts["parallel"]),
-                    train=C.TrainConfig(**parts["train"])), world
+                    train=C.TrainConfig(**parts["train"]),
+                    data=C.DataConfig(**parts["data"])), world
 
 
 @pytest.mark.parametrize("args, message", [
@@ -184,6 +185,9 @@ GPT_EVAL = r"must be at least 1 for the GPT \(0, the whole validation split, is 
      r"^eval_batches \(-1\) must not be negative \(0: the whole validation split\)$"),
     (cfg_with(1, train__run_dir=""), r"^run_dir \(''\) must name a folder: metrics.jsonl"),
     (cfg_with(1, train__run_dir="  "), r"^run_dir \('  '\) must name a folder"),
+    (cfg_with(1, data__fold=9), r"^fold \(9\) chooses a validation fold of ratings data; "
+                                r"the GPT trains on hpctrain.tokens, which has no folds"),
+    (cfg_with(1, data__fold=-1), r"^fold \(-1\) must not be negative"),
 ])
 def test_optimizer_evaluation_and_run_dir_rules(args, message):
     cfg, world = args
