@@ -399,9 +399,14 @@ def _loader(store, kind, files, path, split, table, batch_size, dp_rank, dp_size
     names = ", ".join(Path(f.filename).name for f in files)
     if n == 0:
         what = f"window of seq_len + 1 ({(seq_len or 0) + 1}) tokens" if seq_len else "row"
+        if partitioned:
+            fix = "re-partition with a larger --row-size or fewer shards"
+        elif split == "val":
+            fix = "prepare the data with a larger share for it (hpctrain-prep --val-fraction)"
+        else:
+            fix = "prepare it from more data"
         raise DataError(f"{path}: split {table!r} of rank {dp_rank} ({names}) has no "
-                        f"{what}; use a smaller seq_len, or re-partition with a larger "
-                        f"--row-size or fewer shards")
+                        f"{what}; use a smaller seq_len, or {fix}")
     mode = "windows" if kind == "tokens" else ("epochs" if train else "ordered")
     tag = _TRAIN if train else _EVAL
     if partitioned:
