@@ -123,3 +123,47 @@ def test_one_rank_is_the_degenerate_case():
     assert hierarchical_reduce_scatter(topo)(view, out) is None
     assert np.array_equal(out, np.arange(6.0)) and np.array_equal(view, np.arange(6.0))
     topo.free()
+
+
+class SelfCompleting(FakeRequest):
+    """Complete after a few tests, as a real request completes in the background."""
+
+    def __init__(self):
+        super().__init__()
+        self.tests = 0
+
+    def Test(self):  # noqa: N802
+        self.tests += 1
+        self.complete = self.complete or self.tests >= 3
+        return self.complete
+
+
+class BusyRank(Rank):
+    def post(self, k, phase):
+        super().post(k, phase)
+        self.requests[k, phase] = SelfCompleting()
+        return self.requests[k, phase]
+
+
+def test_buckets_posted_while_zero_3s_helper_thread_tests_them_keep_their_order(monkeypatch):
+    # ZeRO 3 posts a bucket's reduce-scatter from the main thread while its helper thread
+    # (zero3.Progress) tests the buckets in flight, which moves their shared queue on:
+    # posted outside the helper's lock, a deque changed while the other thread walked it
+    # (a crash, or phases posted out of order or never: a hang)
+    import threading
+
+    from hpctrain.parallel.zero3 import Progress
+
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    progress = Progress(1e-5)
+    assert progress.poll_interval > 0, "no helper thread: MPI without THREAD_MULTIPLE"
+    rank = BusyRank()
+    buckets = [progress.post(rank.launch) for _ in range(3000)]
+    for bucket in buckets:
+        progress.wait(bucket)
+    progress.stop()
+    assert errors == []
+    for phase in PHASES:
+        assert rank.posted(phase) == list(range(len(buckets)))
+    assert all(b.done for b in buckets)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -106,8 +107,23 @@ class Progress:
         self._stopping = False
 
     def add(self, request: Any) -> None:
+        self.post(lambda: request)
+
+    def post(self, start: Callable[[], Any]) -> Any:
+        """Call ``start`` under the lock and keep the request it returns (None: nothing
+        to keep). A request built in Python (the hierarchical reduce-scatter's
+        ``Pending``) shares its queue with the requests posted before it, which the
+        helper's ``Test`` moves on: posting outside the lock raced it (a deque mutated
+        while it was walked, a phase posted twice or never: a crash or a hang)."""
         with self._lock:
-            self._pending.append(request)
+            request = start()
+            if request is not None:
+                self._pending.append(request)
+        if request is not None:
+            self._wake_helper()
+        return request
+
+    def _wake_helper(self) -> None:
         if self.poll_interval > 0:
             if self._thread is None:
                 self._stopping = False
@@ -429,16 +445,15 @@ class Zero3DataParallel:
             u.unbind_grads()
             return
         if self.reduce_scatter is not None:
-            u.reducing = self.reduce_scatter(u.grad_full, u.grad_shard)
+            u.reducing = self.progress.post(lambda: self.reduce_scatter(u.grad_full,
+                                                                        u.grad_shard))
         else:
             from mpi4py import MPI
 
-            u.reducing = self.dp_comm.Ireduce_scatter_block(u.grad_full, u.grad_shard,
-                                                            op=MPI.SUM)
+            u.reducing = self.progress.post(lambda: self.dp_comm.Ireduce_scatter_block(
+                u.grad_full, u.grad_shard, op=MPI.SUM))
         if u.reducing is None:
             u.unbind_grads()
-        else:
-            self.progress.add(u.reducing)
 
     def _reap(self) -> None:
         """Free the gradient buffers whose reduce-scatter has completed."""
