@@ -154,7 +154,7 @@ def curve():
     return batches, serial
 
 
-TRAINING = ([("block2", zero) for zero in (0, 1, 2)] + [("cyclic", zero) for zero in (0, 2)]
+TRAINING = ([("block2", zero) for zero in (0, 1, 2, 3)] + [("cyclic", zero) for zero in (0, 2, 3)]
             + [("uneven", 1), ("mpi", 0)])
 
 
