@@ -152,7 +152,7 @@ def test_the_cached_table_reads_round_trips_and_rates_only_cached_products():
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda r: r["kinds"][0].update(gemm_cached=[]),
-     "kinds[0].gemm_cached must be a table: ranks per node -> [[n, FLOP/s], ...]"),
+     "kinds[0].gemm_cached ([]) must be a table: ranks per node -> [[n, FLOP/s], ...]"),
     (lambda r: r["kinds"][0].update(gemm_cached={"1": [[128, -5e10]]}),
      "kinds[0].gemm_cached.1[0][1] (-50000000000.0) must be positive"),
     (lambda r: r["kinds"][0].update(gemm_cached={"x": [[128, 5e10]]}),
@@ -166,3 +166,74 @@ def test_a_bad_cached_table_is_named(edit, message):
     with pytest.raises(cl.ClusterError) as err:
         cl.from_dict(broken(edit))
     assert message in str(err.value)
+
+
+def _set(path, value):
+    """An edit setting raw[path[0]][path[1]]... = value."""
+    def edit(raw):
+        at = raw
+        for key in path[:-1]:
+            at = at[key]
+        at[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    # tables that are not tables
+    (_set(["links"], 5), "links (5) must be a table with the fields ['inter', 'intra']"),
+    (_set(["links", "intra"], 5), "links.intra (5) must be a table with the fields"),
+    (_set(["nodes"], [1]), "nodes[0] (1) must be a table with the fields ['count', 'kind']"),
+    (_set(["kinds"], [1]), "kinds[0] (1) must be a table with the fields"),
+    (_set(["kinds"], 5), "kinds (5) must list one or more node kinds"),
+    (_set(["nodes"], []), "nodes ([]) must list one or more groups of nodes"),
+    # ranks-per-node keys and GEMM sizes
+    (_set(["kinds", 0, "stream"], {"eight": 4e9}),
+     "kinds[0].stream key 'eight' must be a ranks-per-node count (a positive integer)"),
+    (_set(["kinds", 0, "stream"], {"0": 4e9}), "kinds[0].stream key '0' must be a ranks"),
+    (_set(["kinds", 0, "gemm"], {"1": [[0.5, 2e10], [512, 4e10]]}),
+     "kinds[0].gemm.1[0][0] (0.5) must be a positive integer (n of an n x n x n product)"),
+    (_set(["kinds", 0, "gemm"], {"1": [[0, 2e10]]}), "kinds[0].gemm.1[0][0] (0) must be a"),
+    (_set(["kinds", 0, "gemm"], {"1": [[128, 2e10], [128, 3e10]]}),
+     "kinds[0].gemm.1[1]: n (128) is listed twice"),
+    (_set(["kinds", 0, "gemm"], {"-1": [[128, 2e10]]}), "kinds[0].gemm key '-1' must be a"),
+    # numbers: finite, and a bool is no number or count
+    (_set(["links", "intra", "all_reduce", "latency_s"], float("nan")),
+     "links.intra.all_reduce.latency_s (nan) must be a finite number"),
+    (_set(["links", "inter", "p2p", "bandwidth_Bps"], float("inf")),
+     "links.inter.p2p.bandwidth_Bps (inf) must be a finite number"),
+    (_set(["kinds", 0, "memory_gib"], float("nan")), "kinds[0].memory_gib (nan) must be a finite"),
+    (_set(["kinds", 0, "gemm"], {"1": [[128, float("inf")]]}),
+     "kinds[0].gemm.1[0][1] (inf) must be a finite number"),
+    (_set(["kinds", 0, "cores"], True), "kinds[0].cores (true) must be a positive integer"),
+    (_set(["kinds", 0, "cores"], 2.0), "kinds[0].cores (2.0) must be a positive integer"),
+    (_set(["nodes", 0, "count"], True), "nodes[0].count (true) must be a positive integer"),
+    (_set(["kinds", 0, "memory_gib"], True), "kinds[0].memory_gib (true) must be a number"),
+    (_set(["kinds", 0, "comm_cpu_s_per_byte"], float("nan")),
+     "kinds[0].comm_cpu_s_per_byte (nan) must be a finite number"),
+    # names
+    (_set(["kinds", 0, "name"], 5), "kinds[0].name (5) must be a non-empty string"),
+    (_set(["nodes", 0, "kind"], ["cpu"]),
+     "nodes[0].kind (['cpu']) must be a string naming a kind, one of ['cpu']"),
+    (_set(["name"], 3), "name (3) must be a non-empty string"),
+])
+def test_a_malformed_field_is_named_with_its_value_and_rule(edit, message):
+    with pytest.raises(cl.ClusterError) as err:
+        cl.from_dict(broken(edit), source="x.toml")
+    assert str(err.value).startswith(f"x.toml: {message}")
+
+
+def test_a_malformed_roofline_gemm_bytes_is_named():
+    raw = valid()
+    raw["kinds"][0] = {"name": "cpu", "cores": 8, "memory_gib": 80.0, "peak_flops": 1e14,
+                       "gemm_efficiency": 0.5, "gemm_bytes": 0.5}
+    with pytest.raises(cl.ClusterError, match=r"gemm_bytes \(0.5\) must be a positive integer"):
+        cl.from_dict(raw)
+
+
+def test_the_source_is_named_once():
+    with pytest.raises(cl.ClusterError) as err:
+        cl.from_dict({}, source="empty.toml")
+    assert str(err.value) == "empty.toml: missing field 'kinds'"
+    with pytest.raises(cl.ClusterError) as err:
+        cl.from_dict(broken(lambda r: r.update(extra=1)), source="x.toml")
+    assert str(err.value).startswith("x.toml: unknown field(s) ['extra']")

@@ -4,6 +4,7 @@ pruning by memory, the 4,096-rank enumeration time, clear errors, --emit."""
 import itertools
 import shlex
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -18,6 +19,7 @@ from hpctrain.plan.search import (
     parse_layout,
     per_node_counts,
     plan,
+    size,
 )
 from hpctrain.slurm.cli import render_cmd
 
@@ -243,3 +245,96 @@ def test_plan_command_errors_name_the_problem(files):
     got = CliRunner().invoke(plan, base + ["--cluster", str(files / "k.toml"), "--explain",
                                            "dp3-tp1-pp1-mb1-1f1b-z0"])
     assert got.exit_code != 0 and "dp * tp * pp" in got.output
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line_error(got, status=1) -> str:
+    """The message of a command that failed as the project's rule says: the status,
+    no traceback (a ClickException or a usage error, not an exception let through)."""
+    assert got.exit_code == status, got.output
+    assert isinstance(got.exception, SystemExit) and "Traceback" not in got.output
+    return got.output
+
+
+@pytest.mark.parametrize("name", ["dlrm-movielens", "cnn-fashion-mnist", "mlp-fashion-mnist",
+                                  "mlp-fashion-mnist-local", "seg3d-mni152"])
+def test_a_model_the_cost_model_does_not_price_is_one_line(files, name):
+    got = CliRunner().invoke(plan, ["--config", str(ROOT / "configs" / f"{name}.toml"),
+                                    "--cluster", str(files / "k.toml"), "--ranks", "2"])
+    text = one_line_error(got)
+    kind = config.load(ROOT / "configs" / f"{name}.toml").model.kind
+    assert f"prices the GPT's layouts only ([model] kind is {kind!r}" in text
+    assert ("hpctrain plan-tables" in text) == (kind == "dlrm")
+    with pytest.raises(ConfigError, match="the GPT's layouts only"):
+        enumerate_layouts(config.load(ROOT / "configs" / f"{name}.toml"), hand_cluster(), 2)
+
+
+def test_explain_refuses_more_batch_threads_than_a_rank_has_cores(files):
+    """What the search never proposes --explain and --emit refuse: a batch split over
+    more threads than the rank's cores (the smallest node's over the ranks a node);
+    what they accept runs on the CPUs the printed job asks for."""
+    (files / "two.toml").write_text(to_toml(hand_cluster(cores=2)))
+    base = ["--config", str(files / "c.toml"), "--cluster", str(files / "two.toml")]
+    text = one_line_error(CliRunner().invoke(plan, base + [
+        "--explain", "dp1-tp1-pp1-mb1-1f1b-z0-bt5"]))
+    assert "batch_threads (bt 5) must be at most the cores a rank has (2: 2 cores on " \
+           "the smallest node over 1 rank a node)" in text
+    emitted = files / "bt.toml"
+    text = one_line_error(CliRunner().invoke(plan, base + [
+        "--ranks", "2", "--explain", "dp2-tp1-pp1-mb1-1f1b-z1-bt2", "--emit", str(emitted)]))
+    assert "(bt 2) must be at most the cores a rank has (1: 2 cores" in text
+    assert not emitted.exists()
+    for ranks, layout in (("1", "dp1-tp1-pp1-mb1-1f1b-z1-bt2"), ("2", "dp2-tp1-pp1-mb1-1f1b-z1")):
+        got = CliRunner().invoke(plan, base + ["--ranks", ranks, "--explain", layout,
+                                               "--emit", str(emitted)])
+        assert got.exit_code == 0, got.output
+        line, = [x for x in got.output.splitlines() if x.startswith("as a SLURM job: ")]
+        words = shlex.split(line.removeprefix("as a SLURM job: "))
+        cpus = int(words[words.index("--cpus-per-task") + 1])
+        assert config.load(emitted).parallel.batch_threads <= cpus == 2 // int(ranks)
+
+
+def test_explain_without_ranks_takes_the_layouts(files):
+    # a 4-core node: without --ranks the search covers 4 ranks; the layout names 2
+    (files / "four.toml").write_text(to_toml(hand_cluster(cores=4)))
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "four.toml"), "--explain",
+                                    "dp1-tp2-pp1-mb2-1f1b-z0"])
+    assert got.exit_code == 0, got.output
+    assert "2 ranks per node" in got.output
+    # --ranks given: the layout must match it, as train would say
+    text = one_line_error(CliRunner().invoke(plan, [
+        "--config", str(files / "c.toml"), "--cluster", str(files / "four.toml"),
+        "--ranks", "4", "--explain", "dp1-tp2-pp1-mb2-1f1b-z0"]))
+    assert "must equal the number of ranks (4)" in text
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--ranks", "0"), ("--ranks", "-1"), ("--top", "-1"), ("--top", "0"), ("--nodes", "0"),
+    ("--batch", "0")])
+def test_counts_below_one_are_usage_errors(files, option, value):
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "k.toml"), option, value])
+    text = one_line_error(got, status=2)
+    assert f"Invalid value for '{option}': {value} is not in the range x>=1" in text
+
+
+def test_zero_ranks_is_a_config_error_not_a_division_by_zero():
+    with pytest.raises(ConfigError, match=r"the number of ranks \(0\) must be positive"):
+        enumerate_layouts(tiny_config(), hand_cluster(), 0)
+
+
+def test_sizes_read_in_the_unit_that_fits():
+    assert [size(n) for n in (512, 1536, 10.5 * 2**20, 213.4 * 2**20, 2**30, 1234 * 2**30)] \
+        == ["512 B", "1.50 KiB", "10.5 MiB", "213 MiB", "1.00 GiB", "1234 GiB"]
+
+
+def test_a_small_memory_miss_is_readable(files):
+    got = CliRunner().invoke(plan, ["--config", str(files / "wide.toml"), "--ranks", "8",
+                                    "--cluster", str(files / "small.toml")])
+    text = one_line_error(got)
+    assert "0.00 GiB" not in text
+    # 0.001 GiB a node over 8 ranks: 131 KiB a rank
+    assert "over the limit of 131 KiB a rank" in text and " KiB on its fullest rank" in text

@@ -64,7 +64,10 @@ cluster; ``configs/clusters/`` holds examples)::
 The ring model (``volume``, ``steps``): an all-reduce of n bytes over p ranks sends
 ``2 (p - 1) / p n`` bytes per rank in ``2 (p - 1)`` steps; an all-gather or a
 reduce-scatter of a whole of n bytes ``(p - 1) / p n`` in ``p - 1``; a point-to-point
-message n in 1. ``load_cluster`` refuses a missing, negative or unknown field by name.
+message n in 1. ``load_cluster`` refuses a missing, unknown or malformed field by name,
+with its value and the rule: a table that is not a table, a number that is not finite
+or not positive where it must be, a count (cores, ranks per node, GEMM sizes, nodes)
+that is not a positive integer (``true`` is not 1).
 """
 
 from __future__ import annotations
@@ -224,24 +227,67 @@ class Cluster:
 # reading
 
 
+def _show(value: Any) -> str:
+    """A value as the TOML file spells it (true, not Python's True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def _number(where: str, value: Any, *, positive: bool = True) -> float:
+    """A finite number (``positive``: above 0); a bool, a string, nan or inf is refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClusterError(f"{where} ({value!r}) must be a number")
+        raise ClusterError(f"{where} ({_show(value)}) must be a number")
+    if not math.isfinite(value):
+        raise ClusterError(f"{where} ({value!r}) must be a finite number")
     if positive and not value > 0:
         raise ClusterError(f"{where} ({value!r}) must be positive")
     return float(value)
 
 
+def _count(where: str, value: Any, what: str = "") -> int:
+    """A positive integer (TOML's true is not 1, nor 2.0 or 0.5 a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{where} ({_show(value)}) must be a positive integer{what}")
+    return value
+
+
+def _ranks_key(key: str, where: str) -> int:
+    """A table key that counts ranks per node (TOML keys are strings: "2")."""
+    try:
+        ranks = int(key)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ClusterError(f"{where} key {key!r} must be a ranks-per-node count (a "
+                           f"positive integer)")
+    return ranks
+
+
+def _text(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ClusterError(f"{where} ({_show(value)}) must be a non-empty string")
+    return value
+
+
+def _at(where: str) -> str:
+    """A message's prefix: the field it is about (nothing at the top level, which the
+    source's name prefixes)."""
+    return f"{where}: " if where else ""
+
+
 def _field(table: dict, key: str, where: str) -> Any:
     if key not in table:
-        raise ClusterError(f"{where}: missing field {key!r}")
+        raise ClusterError(f"{_at(where)}missing field {key!r}")
     return table[key]
 
 
-def _known(table: dict, keys: tuple[str, ...], where: str) -> None:
+def _known(table: Any, keys: tuple[str, ...], where: str) -> None:
+    """``table`` is a table whose fields are all among ``keys``."""
+    if not isinstance(table, dict):
+        raise ClusterError(f"{where or 'the description'} ({table!r}) must be a table "
+                           f"with the fields {sorted(keys)}")
     unknown = sorted(set(table) - set(keys))
     if unknown:
-        raise ClusterError(f"{where}: unknown field(s) {unknown}; known: {sorted(keys)}")
+        raise ClusterError(f"{_at(where)}unknown field(s) {unknown}; known: {sorted(keys)}")
 
 
 def _kind(raw: dict, i: int) -> NodeKind:
@@ -249,10 +295,8 @@ def _kind(raw: dict, i: int) -> NodeKind:
     _known(raw, ("name", "cores", "memory_gib", "gemm", "gemm_cached", "stream", "peak_flops",
                  "gemm_efficiency", "gemm_bytes", "comm_overlap", "comm_cpu_s_per_byte"),
            where)
-    name = str(_field(raw, "name", where))
-    cores = _field(raw, "cores", where)
-    if not isinstance(cores, int) or cores < 1:
-        raise ClusterError(f"{where}.cores ({cores!r}) must be a positive integer")
+    name = _text(f"{where}.name", _field(raw, "name", where))
+    cores = _count(f"{where}.cores", _field(raw, "cores", where))
     memory = _number(f"{where}.memory_gib", _field(raw, "memory_gib", where)) * 2**30
     roof = _roofline(raw, where)
     if roof and "gemm" in raw:
@@ -267,8 +311,10 @@ def _kind(raw: dict, i: int) -> NodeKind:
     stream = None
     if "stream" in raw:
         if not isinstance(raw["stream"], dict) or not raw["stream"]:
-            raise ClusterError(f"{where}.stream must be a table: ranks per node -> bytes/s")
-        stream = {int(k): _number(f"{where}.stream.{k}", v) for k, v in raw["stream"].items()}
+            raise ClusterError(f"{where}.stream ({_show(raw['stream'])}) must be a table: "
+                               f"ranks per node -> bytes/s")
+        stream = {_ranks_key(k, f"{where}.stream"): _number(f"{where}.stream.{k}", v)
+                  for k, v in raw["stream"].items()}
     overlap = raw.get("comm_overlap", 1.0)
     if isinstance(overlap, bool) or not isinstance(overlap, int | float) \
             or not 0.0 <= overlap <= 1.0:
@@ -284,22 +330,23 @@ def _kind(raw: dict, i: int) -> NodeKind:
 def _gemm_table(raw, where: str) -> dict[int, tuple[tuple[int, float], ...]]:
     """A GEMM table: ranks per node -> ((n, FLOP/s), ...) ascending in n."""
     if not isinstance(raw, dict) or not raw:
-        raise ClusterError(f"{where} must be a table: ranks per node -> [[n, FLOP/s], ...]")
+        raise ClusterError(f"{where} ({_show(raw)}) must be a table: ranks per node -> "
+                           f"[[n, FLOP/s], ...]")
     gemm = {}
     for key, rows in raw.items():
-        try:
-            ranks = int(key)
-        except ValueError:
-            raise ClusterError(f"{where} key {key!r} must be a ranks-per-node count") from None
+        ranks = _ranks_key(key, where)
         if not isinstance(rows, list) or not rows:
-            raise ClusterError(f"{where}.{key} must list [n, FLOP/s] pairs")
-        table = []
+            raise ClusterError(f"{where}.{key} ({rows!r}) must list [n, FLOP/s] pairs")
+        table = {}
         for j, row in enumerate(rows):
             if not isinstance(row, list) or len(row) != 2:
                 raise ClusterError(f"{where}.{key}[{j}] ({row!r}) must be [n, FLOP/s]")
-            table.append((int(_number(f"{where}.{key}[{j}][0]", row[0])),
-                          _number(f"{where}.{key}[{j}][1]", row[1])))
-        gemm[ranks] = tuple(sorted(table))
+            n = _count(f"{where}.{key}[{j}][0]", row[0], " (n of an n x n x n product)")
+            if n in table:
+                raise ClusterError(f"{where}.{key}[{j}]: n ({n}) is listed twice; each size "
+                                   f"has one rate")
+            table[n] = _number(f"{where}.{key}[{j}][1]", row[1])
+        gemm[ranks] = tuple(sorted(table.items()))
     return gemm
 
 
@@ -319,7 +366,7 @@ def _roofline(raw: dict, where: str) -> dict:
     out = {"peak_flops": _number(f"{where}.peak_flops", raw["peak_flops"]),
            "gemm_efficiency": eff}
     if "gemm_bytes" in raw:
-        out["gemm_bytes"] = int(_number(f"{where}.gemm_bytes", raw["gemm_bytes"]))
+        out["gemm_bytes"] = _count(f"{where}.gemm_bytes", raw["gemm_bytes"])
     return out
 
 
@@ -381,33 +428,37 @@ def _pieces(raw: list, where: str) -> Pieces:
 def from_dict(raw: dict, source: str = "cluster") -> Cluster:
     """A Cluster from nested dicts (as TOML gives them); every rule by name."""
     try:
-        _known(raw, ("name", "launcher", "kinds", "nodes", "links"), source)
-        kinds_raw = _field(raw, "kinds", source)
+        _known(raw, ("name", "launcher", "kinds", "nodes", "links"), "")
+        kinds_raw = _field(raw, "kinds", "")
         if not isinstance(kinds_raw, list) or not kinds_raw:
-            raise ClusterError(f"{source}: 'kinds' must list one or more node kinds")
+            raise ClusterError(f"kinds ({kinds_raw!r}) must list one or more node kinds "
+                               f"([[kinds]] tables)")
         kinds = {}
         for i, k in enumerate(kinds_raw):
             kind = _kind(k, i)
             if kind.name in kinds:
                 raise ClusterError(f"kinds[{i}]: the name {kind.name!r} is used twice")
             kinds[kind.name] = kind
-        nodes_raw = _field(raw, "nodes", source)
+        nodes_raw = _field(raw, "nodes", "")
         if not isinstance(nodes_raw, list) or not nodes_raw:
-            raise ClusterError(f"{source}: 'nodes' must list one or more groups of nodes")
+            raise ClusterError(f"nodes ({nodes_raw!r}) must list one or more groups of "
+                               f"nodes ([[nodes]] tables)")
         nodes = []
         for i, n in enumerate(nodes_raw):
             _known(n, ("kind", "count"), f"nodes[{i}]")
             kind, count = _field(n, "kind", f"nodes[{i}]"), _field(n, "count", f"nodes[{i}]")
+            if not isinstance(kind, str):
+                raise ClusterError(f"nodes[{i}].kind ({_show(kind)}) must be a string naming "
+                                   f"a kind, one of {sorted(kinds)}")
             if kind not in kinds:
                 raise ClusterError(f"nodes[{i}].kind ({kind!r}) must be one of {sorted(kinds)}")
-            if not isinstance(count, int) or count < 1:
-                raise ClusterError(f"nodes[{i}].count ({count!r}) must be a positive integer")
-            nodes.append((kind, count))
-        links = _links(_field(raw, "links", source))
+            nodes.append((kind, _count(f"nodes[{i}].count", count)))
+        links = _links(_field(raw, "links", ""))
+        name = _text("name", raw.get("name", "cluster"))
+        launcher = _text("launcher", raw.get("launcher", "mpiexec"))
     except ClusterError as err:
         raise ClusterError(f"{source}: {err}") from None
-    return Cluster(str(raw.get("name", "cluster")), str(raw.get("launcher", "mpiexec")),
-                   kinds, tuple(nodes), links)
+    return Cluster(name, launcher, kinds, tuple(nodes), links)
 
 
 def load_cluster(path: str | Path) -> Cluster:

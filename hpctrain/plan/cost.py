@@ -76,7 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from hpctrain.config import Config, ModelConfig
+from hpctrain.config import Config, ConfigError, ModelConfig
 from hpctrain.parallel import recompute as recompute_modes
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
@@ -376,7 +376,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         raise ValueError(f"placement ({placement!r}) must be 'block'")
     m, par, t = cfg.model, cfg.parallel, cfg.train
     if m.kind != "gpt":
-        raise ValueError(f"the cost model knows the GPT only (model kind is {m.kind!r})")
+        raise ConfigError(f"the cost model knows the GPT only (model kind is {m.kind!r})")
     dp, tp, pp, mb, v = par.dp, par.tp, par.pp, par.microbatches, par.virtual_stages
     world = dp * tp * pp
     rpn = ranks_per_node(cluster, world)

@@ -11,7 +11,12 @@ parallelism (zero 0), sequence parallelism without tp. Two passes: every valid l
 is costed with the pipeline's closed-form bubble (``cost.estimate(replay=False)``), then
 the best ``refine`` that fit in memory are costed again with the schedule replayed, and
 re-ranked. A layout fits when every rank's memory is at most its node's memory
-divided by the ranks per node.
+divided by the ranks per node. The cost model prices the GPT only (``check_model``).
+
+A rank has the cores of the smallest node over the ranks a node (``rank_cores``): the
+search splits a batch over that many threads or none, ``--explain`` refuses a layout
+that splits over more (``check_threads``), and ``--emit``'s job asks for that many
+CPUs a task.
 
 Layout names: ``dp2-tp2-pp2-mb4-1f1b-z1`` (``-sp``: sequence parallelism; ``-v2``:
 interleaved with 2 virtual stages; ``-bt2``: the batch split over 2 threads a rank).
@@ -19,6 +24,7 @@ interleaved with 2 virtual stages; ``-bt2``: the batch split over 2 threads a ra
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import time
@@ -58,6 +64,27 @@ def parse_layout(text: str) -> dict:
     return {"dp": int(dp), "tp": int(tp), "pp": int(pp), "microbatches": int(mb),
             "schedule": schedule, "zero": int(zero), "virtual_stages": int(v or 1),
             "sequence_parallel": bool(sp), "batch_threads": int(bt or 1)}
+
+
+def check_model(cfg: Config) -> None:
+    """Raise a ConfigError unless the cost model prices ``cfg``'s model (the GPT)."""
+    kind = cfg.model.kind
+    if kind == "gpt":
+        return
+    hint = (": for the DLRM's embedding tables, `hpctrain plan-tables` chooses each "
+            "table's sharding and predicts each rank's step") if kind == "dlrm" else ""
+    raise ConfigError(f"hpctrain plan prices the GPT's layouts only ([model] kind is "
+                      f"{kind!r}, not 'gpt'){hint}")
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that leaves at least 1, to 3 significant
+    digits: ``1.50 GiB``, ``213 MiB``, ``12.0 KiB``, ``512 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            v = nbytes / scale
+            return f"{v:.{max(0, 2 - int(math.log10(abs(v))))}f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def divisors(n: int) -> list[int]:
@@ -128,6 +155,19 @@ def rank_cores(cluster: Cluster, rpn: int) -> int:
     return max(1, node_cores(cluster) // rpn)
 
 
+def check_threads(par, cluster: Cluster, rpn: int) -> None:
+    """Raise a ConfigError when ``par`` splits a rank's batch over more threads than
+    the rank has cores with ``rpn`` ranks a node (the search never proposes it: each
+    thread would share a core, and the cost model would price cores that are not
+    there)."""
+    cores = rank_cores(cluster, rpn)
+    if par.batch_threads > cores:
+        raise ConfigError(
+            f"batch_threads (bt {par.batch_threads}) must be at most the cores a rank "
+            f"has ({cores}: {node_cores(cluster)} cores on the smallest node over "
+            f"{rpn} rank{'s' if rpn > 1 else ''} a node)")
+
+
 @dataclass
 class Search:
     ranked: list[cost.Estimate]  # layouts that fit, fastest first
@@ -143,6 +183,9 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     docstring), each priced as ``practice`` runs it. Raises ConfigError if no layout is
     valid for the global batch."""
     t0 = time.perf_counter()
+    check_model(cfg)
+    if world < 1:
+        raise ConfigError(f"the number of ranks ({world}) must be positive")
     rpn = cost.ranks_per_node(cluster, world)  # the placement's rule, by name
     threads = rank_cores(cluster, rpn)
     memo: dict = {}
@@ -270,14 +313,16 @@ def config_toml(cfg: Config) -> str:
               help="The run's config TOML (its [parallel] is what the plan replaces).")
 @click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False),
               help="The cluster description (hpctrain calibrate writes one).")
-@click.option("--ranks", type=int,
+@click.option("--ranks", type=click.IntRange(min=1),
               help="Ranks in all (default: one per core of every node, and every smaller "
                    "count a node the description measured at, e.g. one rank of 2 threads "
-                   "against two of 1).")
-@click.option("--nodes", type=int,
+                   "against two of 1; with --explain, the layout's dp * tp * pp).")
+@click.option("--nodes", type=click.IntRange(min=1),
               help="Use the first N nodes of the cluster (their ranks as without --ranks).")
-@click.option("--batch", type=int, help="Global batch size (default: the config's).")
-@click.option("--top", type=int, default=5, show_default=True, help="Layouts to print.")
+@click.option("--batch", type=click.IntRange(min=1),
+              help="Global batch size (default: the config's).")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Layouts to print.")
 @click.option("--explain", "explain_layout", metavar="LAYOUT",
               help="Print every rank's terms for one layout, e.g. dp2-tp2-pp2-mb4-1f1b-z1.")
 @click.option("--emit", type=click.Path(dir_okay=False),
@@ -292,16 +337,18 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
     practice = replace(cost.HPCTRAIN, kernels=kernels)
     try:
         cfg = config_mod.load(config_path)
+        check_model(cfg)
         if batch is not None:
             cfg = replace(cfg, train=replace(cfg.train, batch_size=batch))
         cluster = load_cluster(cluster_path)
         cluster, worlds = _scope(cluster, ranks, nodes)
         if explain_layout:
             par = replace(cfg.parallel, **parse_layout(explain_layout))
-            world = par.dp * par.tp * par.pp
-            world = world if world in worlds else worlds[-1]  # else: validate says why
-            chosen = cost.estimate(replace(cfg, parallel=par).validate(world), cluster,
-                                   practice=practice)
+            # the layout's ranks, unless --ranks names others (validate says why not)
+            world = ranks if ranks is not None else par.dp * par.tp * par.pp
+            checked = replace(cfg, parallel=par).validate(world)
+            check_threads(par, cluster, cost.ranks_per_node(cluster, world))
+            chosen = cost.estimate(checked, cluster, practice=practice)
             click.echo(explain(chosen))
         else:
             found = enumerate_over(cfg, cluster, worlds, practice=practice)
@@ -312,10 +359,12 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
                        f"{found.seconds:.2f} s; {priced} element-wise kernels")
             if not found.ranked:
                 e = found.closest_miss
+                worst = max(e.ranks, key=lambda r: r.memory.total - r.memory_limit)
                 raise click.ClickException(
                     f"the model fits in no layout: the closest, "
-                    f"{layout_name(e.cfg.parallel)}, needs {e.max_memory / GiB:.2f} GiB on "
-                    f"its fullest rank, {miss(e) / GiB:.2f} GiB over the limit")
+                    f"{layout_name(e.cfg.parallel)}, needs {size(worst.memory.total)} on "
+                    f"its fullest rank, {size(miss(e))} over the limit of "
+                    f"{size(worst.memory_limit)} a rank (a node's memory over its ranks)")
             click.echo(table(found.ranked[:top]))
             chosen = found.ranked[0]
             click.echo(chosen.bottleneck())
