@@ -5,6 +5,7 @@ errors, the plan file read back by ``parallel.tables.read_plan``, and the comman
 from __future__ import annotations
 
 import math
+import tomllib
 from dataclasses import replace
 
 import pytest
@@ -166,8 +167,6 @@ def test_workload_of_a_config_counts_a_bags_filled_slots():
 
 def test_the_rates_file_reads_back():
     text = to_toml([RATES], "a note")
-    import tomllib
-
     back = tp.rates_from_dict(tomllib.loads(text), 2)
     assert back.a2a == RATES.a2a and back.update == RATES.update
     assert math.isclose(back.dense["bwd"], 2e-3)
@@ -213,3 +212,116 @@ def test_shared_time_runs_each_call_with_inputs_of_its_own_for_the_span_asked():
     assert made[0] == 0 and made[1:] == list(range(1, len(made)))
     assert len(made) - 1 >= 3 and (len(made) - 1) * 0.002 >= 0.03 * 0.5
     assert 0.002 <= per_call < 0.02
+
+
+# ---------------------------------------------------------------------------------
+# bad input: one line naming the value and the rule, never a traceback
+
+CONFIG = "configs/dlrm-movielens.toml"
+
+
+def _plan_tables(tmp_path, *args, note="test"):
+    rates = tmp_path / "rates.toml"
+    rates.write_text(to_toml([RATES], note))
+    return CliRunner().invoke(main, ["plan-tables", "--config", CONFIG, "--rates", str(rates),
+                                     "--optimizer", "rowwise_adagrad", *args])
+
+
+def _refused(got) -> str:
+    """The command's one-line refusal (click's, not a traceback)."""
+    assert got.exit_code != 0, got.output
+    assert isinstance(got.exception, SystemExit), repr(got.exception)
+    lines = got.output.strip().splitlines()
+    assert lines[-1].startswith("Error: ") and "Traceback" not in got.output, got.output
+    return lines[-1]
+
+
+@pytest.mark.parametrize("text", [
+    '[[tables]]\nname = "nosuch"\nsharding = "row"\n',
+    '[[tables]]\nname = "user"\nsharding = "row"\n'
+    '[[tables]]\nname = "user"\nsharding = "table"\n',
+    '[[tables]]\nname = "user"\nsharding = "row"\nextra = 1\n',
+    '[[tables]]\nsharding = "row"\n',
+    '[[tables]]\nname = "user"\n',
+    'tables = 5\n',
+    'tables = [5]\n',
+    'default = 5\n',
+    'default = "diagonal"\n',
+    'group = "two"\n',
+    '[[tables]]\nname = "user"\nsharding = "table"\nranks = [0, 5]\n',
+    '[[tables]]\nname = "user"\nsharding = "column"\nranks = [0, 1, 1]\n',
+    'colour = "red"\n',
+], ids=["unknown-table", "twice", "extra-key", "no-name", "no-sharding", "tables-int",
+        "entry-int", "default-int", "default-unknown", "group-str", "rank-outside",
+        "rank-repeated", "unknown-key"])
+def test_check_refuses_a_plan_file_as_train_does_in_one_line(tmp_path, text):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text)
+    # what `mpiexec -n 2 hpctrain train --config CONFIG --table-plan plan.toml` says
+    with pytest.raises(config_mod.ConfigError) as train:
+        config_mod.load(CONFIG, read_plan(str(plan))).validate(2)
+    line = _refused(_plan_tables(tmp_path, "--ranks", "2", "--memory-gib", "1",
+                                 "--check", str(plan)))
+    assert str(train.value) in line and f"table plan {str(plan)!r}" in line
+
+
+def test_check_refuses_a_plan_for_another_group_size(tmp_path):
+    plan = tmp_path / "plan.toml"
+    plan.write_text("group = 1\n")
+    line = _refused(_plan_tables(tmp_path, "--ranks", "2", "--memory-gib", "1",
+                                 "--check", str(plan)))
+    assert "group (1) must be --ranks (2)" in line
+
+
+def test_a_rank_count_not_measured_says_which_command_measures_it(tmp_path):
+    got = _plan_tables(tmp_path, "--ranks", "3", "--memory-gib", "1",
+                       note=f"Written by: hpctrain calibrate-tables --config {CONFIG} "
+                            f"--hashed-rows 10 --ranks 2 --out elsewhere.toml --timeout 60")
+    line = _refused(got)
+    assert "--calibrate" not in line
+    assert (f"no rates measured at 3 ranks (measured: [2]); run hpctrain calibrate-tables "
+            f"--config {CONFIG} --hashed-rows 10 --timeout 60 --ranks 2,3 --out "
+            f"{tmp_path / 'rates.toml'}") in line
+    with pytest.raises(config_mod.ConfigError, match=r"run hpctrain calibrate-tables "
+                                                     r"--config CONFIG --ranks 2,4 --out"):
+        tp.rates_from_dict(tomllib.loads(to_toml([RATES], "no command")), 4)
+
+
+@pytest.mark.parametrize("option, value, rule", [
+    ("--ranks", "0", "x>=1"), ("--ranks", "-2", "x>=1"),
+    ("--batch", "-5", "x>=1"), ("--batch", "0", "x>=1"),
+    ("--bag-fill", "1.5", "0<x<=1"), ("--bag-fill", "-0.1", "0<x<=1"),
+    ("--bag-fill", "0", "0<x<=1"), ("--bag-fill", "nan", "not a finite number"),
+    ("--hashed-rows", "-5", "x>=0"),
+    ("--memory-gib", "nan", "not a finite number"), ("--memory-gib", "inf", "finite"),
+    ("--memory-gib", "-1", "x>0"), ("--memory-gib", "0", "x>0"),
+])
+def test_plan_tables_refuses_a_bad_option_by_name(tmp_path, option, value, rule):
+    args = {"--ranks": "2", "--memory-gib": "1", option: value}
+    got = _plan_tables(tmp_path, *[w for kv in args.items() for w in kv])
+    line = _refused(got)
+    assert got.exit_code == 2 and f"'{option}': {value}" in line and rule in line
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_calibrate_tables_refuses_a_bad_timeout_before_any_job(value):
+    got = CliRunner().invoke(main, ["calibrate-tables", "--config", CONFIG, "--ranks", "2",
+                                    "--mpiexec", "false", "--timeout", value])
+    assert got.exit_code == 2 and "'--timeout'" in _refused(got)
+
+
+def test_calibrate_tables_measures_a_repeated_rank_count_once():
+    from hpctrain.plan.tables_calibrate import _ranks
+
+    assert _ranks(None, None, "4,2,4") == [2, 4]  # one [ranks.N] section each
+
+
+def test_hashed_rows_refuses_a_config_with_a_table_named_hashed(tmp_path):
+    from hpctrain.plan.tables_calibrate import model_of
+
+    cfg = tmp_path / "dlrm.toml"
+    cfg.write_text(open(CONFIG).read().replace('name = "zip_prefix"', 'name = "hashed"'))
+    assert [t.name for t in model_of(str(cfg), 0).tables].count("hashed") == 1
+    with pytest.raises(config_mod.ConfigError, match="adds a table 'hashed', and the "
+                                                     "config has one already"):
+        model_of(str(cfg), 10)

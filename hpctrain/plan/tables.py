@@ -54,6 +54,7 @@ it, its bytes, the memory per rank and the closest miss.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -158,13 +159,19 @@ def _row_rate(raw: dict) -> RowRate:
     return RowRate(float(raw["row_s"]), float(raw["byte_s"]))
 
 
-def rates_from_dict(raw: dict, ranks: int, source: str = "rates") -> Rates:
-    """The ``[ranks.N]`` section of a rates file (``tables_calibrate.to_toml``)."""
+def rates_from_dict(raw: dict, ranks: int, source: str = "rates",
+                    measured_with: str = "--config CONFIG") -> Rates:
+    """The ``[ranks.N]`` section of a rates file (``tables_calibrate.to_toml``); one
+    missing says how to measure it: ``hpctrain calibrate-tables`` with the file's other
+    options (``measured_with``) and every rank count, those already measured too (it
+    rewrites the whole file)."""
     got = raw.get("ranks", {}).get(str(ranks))
     if got is None:
         have = sorted(int(k) for k in raw.get("ranks", {}))
+        counts = ",".join(str(n) for n in sorted({*have, ranks}))
         raise ConfigError(f"{source}: no rates measured at {ranks} ranks (measured: {have}); "
-                          f"run hpctrain plan-tables --calibrate --ranks {ranks}")
+                          f"run hpctrain calibrate-tables {measured_with} --ranks {counts} "
+                          f"--out {shlex.quote(source)}")
     return Rates(ranks, Line(**got["a2a"]), Line(**got["gather"]), float(got["route_s"]),
                  {k: _row_rate(v) for k, v in got["pool"].items()},
                  {k: _row_rate(v) for k, v in got["grad"].items()},

@@ -365,8 +365,31 @@ def to_toml(rates: list[tp.Rates], note: str) -> str:
     return "\n".join(lines)
 
 
+WRITTEN_BY = "Written by: hpctrain calibrate-tables "
+
+
 def load_rates(path: str, ranks: int) -> tp.Rates:
-    return tp.rates_from_dict(read_toml(path, "table rates"), ranks, source=path)
+    return tp.rates_from_dict(read_toml(path, "table rates"), ranks, source=path,
+                              measured_with=measured_with(path))
+
+
+def measured_with(path: str) -> str:
+    """The options a rates file was measured with but --ranks and --out (its first
+    line, ``calibrate_tables_command``'s note), or ``--config CONFIG`` when it has none."""
+    first = (Path(path).read_text().splitlines() or [""])[0].removeprefix("# ")
+    try:
+        words = shlex.split(first.removeprefix(WRITTEN_BY))
+    except ValueError:
+        words = []
+    if not first.startswith(WRITTEN_BY) or not words:
+        return "--config CONFIG"
+    kept, words = [], iter(words)
+    for w in words:
+        if w in ("--ranks", "--out"):
+            next(words, None)  # its value
+        elif not w.startswith(("--ranks=", "--out=")):
+            kept.append(w)
+    return shlex.join(kept)
 
 
 def rates_dict(r: tp.Rates) -> dict:
@@ -394,6 +417,9 @@ def model_of(config_path: str, hashed_rows: int) -> Any:
     if not model.tables:
         raise ConfigError(f"{config_path}: model kind {model.kind!r} has no embedding tables")
     if hashed_rows:
+        if any(t.name == "hashed" for t in model.tables):
+            raise ConfigError(f"{config_path}: --hashed-rows adds a table 'hashed', and the "
+                              f"config has one already: rename it or leave the option out")
         model = replace(model, tables=(*model.tables, TableConfig("hashed", hashed_rows)))
     return model
 
@@ -429,17 +455,32 @@ def run_job(launcher: str, ranks: int, argv: list[str], timeout: float) -> dict:
 # ---------------------------------------------------------------------------------
 # the commands
 
+class FiniteRange(click.FloatRange):
+    """``click.FloatRange`` refusing nan and inf as well (nan passes any bound: it
+    compares false with everything)."""
+
+    def convert(self, value, param, ctx):
+        got = super().convert(value, param, ctx)
+        if not math.isfinite(got):
+            self.fail(f"{got} is not a finite number.", param, ctx)
+        return got
+
+
+POSITIVE = FiniteRange(min=0, min_open=True)
+
 _model_options = [
     click.option("--config", "config_path", required=True, type=click.Path(exists=True),
                  help="The model's TOML config ([model] tables, embed_dim, dtype)."),
-    click.option("--hashed-rows", type=int, default=0, show_default=True,
-                 help="Add a table 'hashed' of this many rows (width 1) to the config's."),
-    click.option("--batch", type=int, default=1024, show_default=True,
+    click.option("--hashed-rows", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Add a table 'hashed' of this many rows (width 1) to the config's "
+                      "(0: none)."),
+    click.option("--batch", type=click.IntRange(min=1), default=1024, show_default=True,
                  help="Samples per rank and step."),
     click.option("--optimizer", type=click.Choice(tp.OPTIMIZERS),
                  help="The tables' sparse optimizer (default: the config's [train] "
                       "sparse_optimizer)."),
-    click.option("--bag-fill", type=float, default=0.4, show_default=True,
+    click.option("--bag-fill", type=FiniteRange(0, 1, min_open=True), default=0.4,
+                 show_default=True,
                  help="Share of a bag's slots (width > 1) that hold an id."),
 ]
 
@@ -457,7 +498,7 @@ def _ranks(ctx, param, value: str) -> list[int]:
         raise click.BadParameter(f"{value!r} must be comma-separated integers") from None
     if not got or min(got) < 1:
         raise click.BadParameter(f"{value!r}: rank counts must be 1 or more")
-    return got
+    return sorted(set(got))  # one [ranks.N] section each: TOML refuses a repeated one
 
 
 DEFAULT_RATES = "configs/clusters/tables-this-machine.toml"
@@ -470,7 +511,7 @@ DEFAULT_RATES = "configs/clusters/tables-this-machine.toml"
 @click.option("--out", default=DEFAULT_RATES, show_default=True,
               help="The rates file to write.")
 @click.option("--mpiexec", default="mpiexec", show_default=True, help="MPI launcher.")
-@click.option("--timeout", type=float, default=600, show_default=True,
+@click.option("--timeout", type=POSITIVE, default=600, show_default=True,
               help="Seconds per MPI job before it is killed.")
 def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ranks,
                              out, mpiexec, timeout) -> None:
@@ -490,8 +531,8 @@ def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fil
         click.echo(f"measuring at {n} ranks ...", err=True)
         got.append(tp.rates_from_dict({"ranks": {str(n): run_job(mpiexec, n, argv, timeout)}},
                                       n))
-    cmd = "hpctrain calibrate-tables " + shlex.join(sys.argv[2:])
-    Path(out).write_text(to_toml(got, f"Written by: {cmd}\n(seconds, bytes; "
+    cmd = WRITTEN_BY + shlex.join(sys.argv[2:])
+    Path(out).write_text(to_toml(got, f"{cmd}\n(seconds, bytes; "
                                       f"hpctrain/plan/tables_calibrate.py)"))
     click.echo(f"wrote {out}")
     for r in got:
@@ -504,8 +545,9 @@ def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fil
 
 @click.command("plan-tables")
 @model_options
-@click.option("--ranks", type=int, required=True, help="Ranks in the table group.")
-@click.option("--memory-gib", type=float, required=True,
+@click.option("--ranks", type=click.IntRange(min=1), required=True,
+              help="Ranks in the table group.")
+@click.option("--memory-gib", type=POSITIVE, required=True,
               help="Memory per rank for the tables and their optimizer state, GiB.")
 @click.option("--rates", default=DEFAULT_RATES, show_default=True,
               help="The rates file (hpctrain calibrate-tables).")
@@ -524,8 +566,6 @@ def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ra
           --ranks 4 --memory-gib 2 --out plan.toml
       mpiexec -n 4 hpctrain train --config ... --table-plan plan.toml
     """
-    from hpctrain.parallel.tables import read_plan
-
     try:
         model = model_of(config_path, hashed_rows)
         optimizer = optimizer or _optimizer(config_path)
@@ -533,14 +573,7 @@ def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ra
         r = load_rates(rates, ranks)
         limit = memory_gib * 2**30
         if check_path:
-            over = read_plan(check_path)
-            group = over.get("parallel.table_group", 0) or ranks
-            if group != ranks:
-                raise ConfigError(f"{check_path}: group ({group}) is not --ranks ({ranks})")
-            choices = {s["name"] if isinstance(s, dict) else s.name: _sharding(s)
-                       for s in over["parallel.table_sharding"]}
-            placements = tp.place(work, ranks, choices,
-                                  default=over.get("parallel.table_default", "replicated"))
+            placements = plan_file_placements(check_path, config_path, model, ranks)
             tp.check_plan(work, ranks, limit, placements)
             pred = tp.rank_costs(work, placements, r, ranks)
         else:
@@ -562,13 +595,27 @@ def _optimizer(config_path: str) -> str:
     return config_mod.load(config_path).train.sparse_optimizer
 
 
-def _sharding(raw: Any):
-    from hpctrain.config import TableSharding
+def plan_file_placements(path: str, config_path: str, model: Any,
+                         ranks: int) -> dict[str, Any]:
+    """The placement of plan file ``path`` over a table group of ``ranks``, refused as
+    ``hpctrain train --config CONFIG --table-plan FILE`` refuses it, by the same code:
+    its keys (``read_plan``), their form (``config.load``'s, with the file as
+    overrides), the placement's rules (``place_tables``, as ``Config.validate`` runs
+    them), over ``model`` (``model_of``'s: the config's tables and --hashed-rows')."""
+    from hpctrain import config as config_mod
+    from hpctrain.parallel.tables import group_size, place_tables, read_plan
 
-    if isinstance(raw, TableSharding):
-        return raw
-    return TableSharding(raw["name"], raw.get("sharding", "replicated"),
-                         tuple(raw.get("ranks", ())))
+    overrides = read_plan(path)  # its errors name the file
+    try:
+        par = config_mod.load(config_path, overrides).parallel
+        par = replace(par, dp=par.dp or ranks)
+        if group_size(par) != ranks:
+            raise ConfigError(f"group ({par.table_group}) must be --ranks ({ranks}), the "
+                              f"table group planned for (0: the whole data group, dp = "
+                              f"{par.dp})")
+        return place_tables(model, par)
+    except ConfigError as e:
+        raise ConfigError(f"table plan {path!r}: {e}") from None
 
 
 if __name__ == "__main__":
