@@ -431,7 +431,10 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         nn_threads.set_threads(cfg.train.row_threads)
     loader, val = startup_check(comm, lambda: _open_data(cfg, topo))
 
-    engine = build_engine(cfg, topo)
+    # a layout the model cannot take in ways only its built pieces show (recomputing a
+    # piece with running statistics, or attention where there is none): every rank
+    # builds the whole model first, so all refuse alike, in one line
+    engine = startup_check(comm, lambda: build_engine(cfg, topo))
     dp = make_data_parallel(cfg, engine, topo)
     if memory is not None:
         memory.attach(engine, dp, topo)
@@ -461,7 +464,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         loop.shares.load_state(resumed.meta.get("shares"))
     if resumed is not None:
         loop.precision.load_state(resumed.meta.get("precision"))
-    if val is not None and (resumed is None or first > t.steps):
+    early = preempt.agreed(comm)  # signalled while the data, model or checkpoint loaded
+    if val is not None and (resumed is None or first > t.steps) and not early:
         # before the first step; or a checkpoint with no step left to train: evaluate it
         loop.evaluate(first - 1, val, {"step": first - 1}, alone=True)
     if resumed is not None:
@@ -472,7 +476,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     watch = watchdog.start(topo, loop.tracer, t.stall_timeout)  # each step and the gap after
     try:
         steps = range(first, t.steps + 1)
-        stop = preempt.agreed(comm) if steps else 0  # signalled during start-up
+        stop = (early or preempt.agreed(comm)) if steps else 0  # during start-up
         if stop:
             loop.stop_at_start(stop)
             steps = range(0)

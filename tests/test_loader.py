@@ -282,6 +282,22 @@ def test_eval_batches_are_fixed_and_global(tokens_h5, images_h5):
     np.testing.assert_array_equal(np.concatenate([y for _, y in test]), labels[:20])
 
 
+def test_more_validation_batches_than_the_split_holds_are_refused_with_the_most(images_h5):
+    # every validation batch is kept in memory for the run: beyond the split they only
+    # repeat it (eval_batches = 100,000 held the demo 15 minutes before its first step)
+    with h5py.File(images_h5) as f:
+        rows = len(f["test/labels"])
+    most = rows // 10
+    assert len(eval_batches(images_h5, split="test", batch_size=10, num_batches=most)) == most
+    with pytest.raises(DataError, match=rf"eval_batches \({most + 1}\) x 10 samples a rank is "
+                                        rf"more than the {rows:,} rows of split 'test' a rank "
+                                        rf"draws from: use eval_batches {most} or fewer"):
+        eval_batches(images_h5, split="test", batch_size=10, num_batches=most + 1)
+    with pytest.raises(DataError, match=rf"x 5 samples a rank .* the {rows // 2:,} rows"):
+        eval_batches(images_h5, split="test", batch_size=10, dp_rank=1, dp_size=2,
+                     num_batches=most + 1)
+
+
 # ---------------------------------------------------------------------------------
 # refusals
 

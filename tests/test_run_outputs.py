@@ -134,3 +134,14 @@ def test_an_empty_resume_is_refused_not_taken_for_a_fresh_run(config_file, tmp_p
     result = run_train(2, config_file, tmp_path / "run", "--resume", "")
     assert result.returncode == 2 and "--resume: empty: give 'auto'" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_recomputation_the_built_model_cannot_take_is_one_line_on_every_rank(config_file,
+                                                                              tmp_path):
+    # only the built pieces show it (no attention in the first piece): refused in the
+    # start-up check, not by a traceback and MPI_Abort from inside the engine's build
+    result = run_train(2, config_file, tmp_path / "run", "--recompute", "attention",
+                       "--recompute-pieces", "first")
+    refused(result, "error: recompute ('attention') recomputes attention, but pieces "
+                    "['first'] of the GPT hold no attention layer")
+    assert result.stderr.count("error") == 1

@@ -294,6 +294,16 @@ def eval_batches(path: str | Path, *, split: str = "val", batch_size: int, dp_ra
                                    num_batches=num_batches)
     with _open(path, split, batch_size, dp_rank, dp_size, EVAL_SEED, seq_len, False,
                train=False, direct=True) as loader:
+        # every batch is held in memory for the run: more samples than the rank's part
+        # of the split holds only repeats them (an eval_batches of 100,000 took the demo
+        # 15 minutes and gigabytes before its first step)
+        per_batch = batch_size // dp_size
+        most = loader.num_samples // per_batch
+        if num_batches > most:
+            what = "windows" if loader.kind == "tokens" else "rows"
+            raise DataError(f"{path}: eval_batches ({num_batches}) x {per_batch} samples "
+                            f"a rank is more than the {loader.num_samples:,} {what} of split "
+                            f"{split!r} a rank draws from: use eval_batches {most} or fewer")
         return [loader.batch(s) for s in range(num_batches)]
 
 

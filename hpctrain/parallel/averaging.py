@@ -258,7 +258,8 @@ class LocalDataParallel:
                 raise CheckpointError(f"{where}: was saved with averaging "
                                       f"{saved['strategy']!r} at dp {saved['dp']}; this run "
                                       f"has {mine['strategy']!r} at dp {mine['dp']}: each "
-                                      f"rank's own state resumes only at the same")
+                                      f"rank saved its own state, which resumes only with "
+                                      f"the same averaging at the same dp")
         self.t = int(saved["t"])
 
 

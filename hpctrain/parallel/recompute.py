@@ -43,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from hpctrain.config import ConfigError
+
 MODES = ("none", "full", "selective", "attention")
 
 
@@ -65,7 +67,7 @@ def piece_names(n_middle: int) -> list[str]:
 def select(names: tuple[str, ...], n_middle: int, model: str = "model") -> list[str]:
     """The pieces ``names`` (``recompute_pieces``) selects; () is every middle piece.
 
-    Raises ValueError naming a piece that does not exist."""
+    Raises ConfigError naming a piece that does not exist."""
     known = piece_names(n_middle)
     if not names:
         return known[1:-1]
@@ -76,7 +78,7 @@ def select(names: tuple[str, ...], n_middle: int, model: str = "model") -> list[
         elif name in known:
             chosen.append(name)
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"recompute_pieces names {name!r}, but the {model} has no such piece: its "
                 f"pieces are 'first', 'middle.0' to 'middle.{n_middle - 1}' (or 'middle', "
                 f"all of them) and 'last'")
@@ -97,7 +99,7 @@ def apply(model: Any, mode: str, names: tuple[str, ...] = ()) -> list[str]:
     """Make the selected pipeline pieces of ``model`` recompute (in place); return
     their names. ``mode`` "none" leaves the model as it is."""
     if mode not in MODES:
-        raise ValueError(f"recompute ({mode!r}) must be one of {', '.join(MODES)}")
+        raise ConfigError(f"recompute ({mode!r}) must be one of {', '.join(MODES)}")
     if mode == "none":
         return []
     pieces = model.pipeline_pieces()
@@ -107,7 +109,7 @@ def apply(model: Any, mode: str, names: tuple[str, ...] = ()) -> list[str]:
     for name in chosen:
         piece = named[name]
         if piece.named_buffers():
-            raise ValueError(f"recompute ({mode!r}) of piece {name!r}: it keeps running "
+            raise ConfigError(f"recompute ({mode!r}) of piece {name!r}: it keeps running "
                              f"statistics {[n for n, _ in piece.named_buffers()]}, which "
                              f"a second forward would update twice")
         if mode == "full":
@@ -115,7 +117,7 @@ def apply(model: Any, mode: str, names: tuple[str, ...] = ()) -> list[str]:
         else:
             attention += recompute_scores(piece, qkv=mode == "attention")
     if mode != "full" and not attention:
-        raise ValueError(f"recompute ({mode!r}) recomputes attention, but pieces "
+        raise ConfigError(f"recompute ({mode!r}) recomputes attention, but pieces "
                          f"{chosen} of the {model.name} hold no attention layer")
     return chosen
 
