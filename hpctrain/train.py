@@ -506,7 +506,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         if not quiet:
             if preempted:
                 ran = f"stopped after step {step} of {t.steps}"
-            elif first > t.steps:
+            elif resumed is not None and first > t.steps:
                 ran = (f"no step left to train (the checkpoint is at step {first - 1}, "
                        f"--steps {t.steps})")
             elif first > 1:

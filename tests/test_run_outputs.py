@@ -145,3 +145,12 @@ def test_a_recomputation_the_built_model_cannot_take_is_one_line_on_every_rank(c
     refused(result, "error: recompute ('attention') recomputes attention, but pieces "
                     "['first'] of the GPT hold no attention layer")
     assert result.stderr.count("error") == 1
+
+
+def test_a_fresh_run_of_no_steps_evaluates_and_says_so(config_file, tmp_path):
+    cfg = tmp_path / "eval.toml"
+    cfg.write_text(config_file.read_text().replace("eval_interval = 0", "eval_interval = 2"))
+    result = run_train(1, cfg, tmp_path / "run", "--steps", "0")
+    assert result.returncode == 0, result.stderr
+    assert "step 0/0 | val " in result.stdout and "done: 0 steps in" in result.stdout, \
+        result.stdout

@@ -126,6 +126,13 @@ def test_the_config_takes_an_inline_table_or_a_list():
         from_dict({**base, "parallel": {"table_sharding": [{"name": "user", "shard": 1}]}})
 
 
+def test_a_plan_file_keeps_a_table_name_with_quotes_and_backslashes(tmp_path):
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(0, "replicated", [TableSharding('a "b" \\c', "row", (0,))]))
+    assert read_plan(str(path))["parallel.table_sharding"] == \
+        [{"name": 'a "b" \\c', "sharding": "row", "ranks": [0]}]
+
+
 def test_a_plan_file_round_trips_and_overrides_the_config(tmp_path):
     specs = [TableSharding("user", "row", (0, 1)), TableSharding("genres", "column")]
     path = tmp_path / "plan.toml"

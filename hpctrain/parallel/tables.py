@@ -66,6 +66,7 @@ FILE`` takes in place of the config's keys, which a planner can write::
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -268,7 +269,9 @@ def plan_toml(group: int, default: str, tables: list[TableSharding]) -> str:
     """A plan file's text (``read_plan`` reads it back)."""
     lines = [f"group = {group}", f'default = "{default}"']
     for t in tables:
-        lines += ["", "[[tables]]", f'name = "{t.name}"', f'sharding = "{t.sharding}"']
+        # a TOML basic string: JSON's escapes are TOML's (a name may hold " or \\)
+        lines += ["", "[[tables]]", f"name = {json.dumps(t.name)}",
+                  f'sharding = "{t.sharding}"']
         if t.ranks:
             lines.append(f"ranks = [{', '.join(str(r) for r in t.ranks)}]")
     return "\n".join(lines) + "\n"
