@@ -23,26 +23,18 @@ def _fail(messages: list[str]) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
 def _not_hdf5(path: str) -> bool:
-    """Whether ``path`` is a file without HDF5's signature where HDF5 looks for it (at
-    byte 0, 512, 1024, 2048, ...): no checkpoint at all (``metrics.jsonl``), rather than
-    a damaged one."""
+    """Whether ``path`` is a file without HDF5's signature (``h5py.is_hdf5``, which a
+    truncated or locked HDF5 file passes): no checkpoint at all (``metrics.jsonl``),
+    rather than a damaged one."""
+    import h5py
+
     from hpctrain.checkpoint.format import LATEST_NAME
 
     file = Path(path)
     if not file.is_file() or file.name == LATEST_NAME:  # the pointer is text: followed
         return False
-    size, at = file.stat().st_size, 0
-    with file.open("rb") as fh:
-        while at + len(HDF5_SIGNATURE) <= size:
-            fh.seek(at)
-            if fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
-                return False
-            at = max(512, 2 * at)
-    return True
+    return not h5py.is_hdf5(file)
 
 
 def _open_error(path: str, err: Exception) -> str:

@@ -354,6 +354,17 @@ def _schedule(schedule: str, pp: int, m: int, v: int):
     return orders, tuple(timeline.peak_live(ops) for ops in orders)
 
 
+def check_model(cfg: Config) -> None:
+    """Raise a ConfigError unless the cost model prices ``cfg``'s model (the GPT)."""
+    kind = cfg.model.kind
+    if kind == "gpt":
+        return
+    hint = (": for the DLRM's embedding tables, `hpctrain plan-tables` chooses each "
+            "table's sharding and predicts each rank's step") if kind == "dlrm" else ""
+    raise ConfigError(f"hpctrain plan prices the GPT's layouts only ([model] kind is "
+                      f"{kind!r}, not 'gpt'){hint}")
+
+
 def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
              replay: bool = True, memo: dict | None = None,
              practice: Practice = HPCTRAIN) -> Estimate:
@@ -375,8 +386,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     if placement != "block":
         raise ValueError(f"placement ({placement!r}) must be 'block'")
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    if m.kind != "gpt":
-        raise ConfigError(f"the cost model knows the GPT only (model kind is {m.kind!r})")
+    check_model(cfg)
     dp, tp, pp, mb, v = par.dp, par.tp, par.pp, par.microbatches, par.virtual_stages
     world = dp * tp * pp
     rpn = ranks_per_node(cluster, world)

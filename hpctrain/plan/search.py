@@ -11,7 +11,7 @@ parallelism (zero 0), sequence parallelism without tp. Two passes: every valid l
 is costed with the pipeline's closed-form bubble (``cost.estimate(replay=False)``), then
 the best ``refine`` that fit in memory are costed again with the schedule replayed, and
 re-ranked. A layout fits when every rank's memory is at most its node's memory
-divided by the ranks per node. The cost model prices the GPT only (``check_model``).
+divided by the ranks per node. The cost model prices the GPT only (``cost.check_model``).
 
 A rank has the cores of the smallest node over the ranks a node (``rank_cores``): the
 search splits a batch over that many threads or none, ``--explain`` refuses a layout
@@ -64,17 +64,6 @@ def parse_layout(text: str) -> dict:
     return {"dp": int(dp), "tp": int(tp), "pp": int(pp), "microbatches": int(mb),
             "schedule": schedule, "zero": int(zero), "virtual_stages": int(v or 1),
             "sequence_parallel": bool(sp), "batch_threads": int(bt or 1)}
-
-
-def check_model(cfg: Config) -> None:
-    """Raise a ConfigError unless the cost model prices ``cfg``'s model (the GPT)."""
-    kind = cfg.model.kind
-    if kind == "gpt":
-        return
-    hint = (": for the DLRM's embedding tables, `hpctrain plan-tables` chooses each "
-            "table's sharding and predicts each rank's step") if kind == "dlrm" else ""
-    raise ConfigError(f"hpctrain plan prices the GPT's layouts only ([model] kind is "
-                      f"{kind!r}, not 'gpt'){hint}")
 
 
 def size(nbytes: float) -> str:
@@ -183,7 +172,7 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     docstring), each priced as ``practice`` runs it. Raises ConfigError if no layout is
     valid for the global batch."""
     t0 = time.perf_counter()
-    check_model(cfg)
+    cost.check_model(cfg)
     if world < 1:
         raise ConfigError(f"the number of ranks ({world}) must be positive")
     rpn = cost.ranks_per_node(cluster, world)  # the placement's rule, by name
@@ -337,7 +326,7 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
     practice = replace(cost.HPCTRAIN, kernels=kernels)
     try:
         cfg = config_mod.load(config_path)
-        check_model(cfg)
+        cost.check_model(cfg)
         if batch is not None:
             cfg = replace(cfg, train=replace(cfg.train, batch_size=batch))
         cluster = load_cluster(cluster_path)
