@@ -235,6 +235,7 @@ OPENMPI5 ?= 5.0.11
 # --emulated), not those of its namespaces and cgroups alone, which the main suite runs
 CLUSTER_MPI_TESTS := $(addprefix tests/cluster/test_cluster.py::test_, \
   ranks_fill_the_nodes_in_order_and_mpi_sees_each_node \
+  jobs_across_the_nodes_end_without_waiting_in_mpi_finalize \
   traffic_between_nodes_crosses_the_link_and_inside_a_node_does_not \
   layouts_across_nodes_reproduce_the_serial_loss_curve hpctrain_train_across_nodes_equals_one_node) \
   tests/cluster/test_plan_emulated.py

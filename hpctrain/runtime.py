@@ -42,6 +42,7 @@ EXIT_INTERRUPTED = 130  # a Ctrl-C, as a shell reports it
 FINALIZE_TIMEOUT_ENV = "HPCTRAIN_FINALIZE_TIMEOUT_S"
 FINALIZE_TIMEOUT_S = 30.0
 FINALIZE_SETTLE_S = 0.1  # seconds between the ranks' last barrier and MPI_Finalize
+FINALIZE_WIRE_MAX_RANKS = 512  # jobs up to this size connect every pair before it
 
 
 class UserError(Exception):
@@ -239,14 +240,16 @@ def finalize_on_exit(timeout: float | None = None):
     started it (``hpctrain``'s entry point, ``cli.run``; mpi4py imported and initialized).
 
     On a normal return or a ``SystemExit`` (every way an hpctrain command ends other
-    than ``MPI_Abort``, and one all ranks take together), the ranks meet in a barrier,
-    pause ``FINALIZE_SETTLE_S`` and call ``MPI_Finalize`` with the GIL released
-    (through ctypes; mpi4py's own ``Finalize`` holds it), while a thread waits: if it
-    has not returned after ``timeout`` seconds, the rank says so and leaves with the
-    command's status (``os._exit``). The ranks still inside the finalize leave the same
-    way when their own time is up. Without this a job whose work is done and saved can
-    stay in its allocation until the time limit (UCX 1.13's TCP transport sometimes
-    never finishes closing its endpoints; DEVELOPERS.md). Any other exception passes
+    than ``MPI_Abort``, and one all ranks take together), every pair of ranks exchanges
+    a byte (jobs up to ``FINALIZE_WIRE_MAX_RANKS``: an endpoint never used can hang
+    the finalize), the ranks meet in a barrier, pause ``FINALIZE_SETTLE_S`` and call
+    ``MPI_Finalize`` with the GIL released (through ctypes; mpi4py's own ``Finalize``
+    holds it), while a thread waits: if it has not returned after ``timeout`` seconds,
+    the rank says so and leaves with the command's status (``os._exit``). The ranks
+    still inside the finalize leave the same way when their own time is up. Without
+    this a job whose work is done and saved can stay in its allocation until the time
+    limit (UCX 1.13's TCP transport sometimes never finishes closing its endpoints;
+    DEVELOPERS.md). Any other exception passes
     through untouched (mpi4py finalizes at exit as before)."""
     if timeout is None:
         try:
@@ -265,6 +268,25 @@ def finalize_on_exit(timeout: float | None = None):
     _finalize_within(status, timeout)
 
 
+def meet_before_finalize(comm) -> None:
+    """What every rank does right before ``MPI_Finalize`` in ``finalize_on_exit``."""
+    size = comm.Get_size()
+    # a message between every pair of ranks first: MPI opens a pair's connection at its
+    # first message, and MPICH 4.0 over UCX's TCP transport closes every endpoint in
+    # MPI_Finalize, one a rank never used among them; closing one whose connection was
+    # still being made waits for a peer that has left for the finalize's PMI barrier,
+    # for good. Two emulated nodes, 4 ranks: 11 of 40 jobs waited for the bound below
+    # without it, 0 of 50 with it (DEVELOPERS.md). Each rank opens size - 1
+    # connections, so only up to FINALIZE_WIRE_MAX_RANKS.
+    if 1 < size <= FINALIZE_WIRE_MAX_RANKS:
+        comm.Alltoall(bytearray(size), bytearray(size))
+    # every rank done, then a pause before the teardown: ranks that reach MPI_Finalize
+    # at different times, or straight from a barrier, made UCX 1.13's TCP transport
+    # hang there in 9 of 10 4-rank jobs; with 20 ms between, none (DEVELOPERS.md)
+    comm.Barrier()
+    time.sleep(FINALIZE_SETTLE_S)
+
+
 def _finalize_within(status: int, timeout: float) -> None:
     if "mpi4py.MPI" not in sys.modules:  # the command never started MPI
         return
@@ -275,11 +297,7 @@ def _finalize_within(status: int, timeout: float) -> None:
     comm = MPI.COMM_WORLD
     sys.stdout.flush()
     sys.stderr.flush()
-    # every rank done, then a pause before the teardown: ranks that reach MPI_Finalize
-    # at different times, or straight from a barrier, made UCX 1.13's TCP transport
-    # hang there in 9 of 10 4-rank jobs; with 20 ms between, none (DEVELOPERS.md)
-    comm.Barrier()
-    time.sleep(FINALIZE_SETTLE_S)
+    meet_before_finalize(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     returned = threading.Event()
 

@@ -1,7 +1,7 @@
 """A job for ``test_finalize.py``: every rank ends through ``runtime.finalize_on_exit``
 with ``sys.exit(STATUS)``, but the rank named by ``--late`` reaches ``MPI_Finalize``
-only ``--sleep`` seconds after the others (it meets them in their barrier, then
-sleeps). MPI_Finalize waits for every rank, so the others' finalize cannot return in
+only ``--sleep`` seconds after the others (it meets them in their last collectives,
+then sleeps). MPI_Finalize waits for every rank, so the others' finalize cannot return in
 time: a real finalize that does not return, nothing of MPI replaced.
 
     mpiexec -n 2 python tests/finalize_job.py --timeout 2 --late 1 --sleep 60 --status 7
@@ -23,7 +23,7 @@ parser.add_argument("--status", type=int, default=0)
 args = parser.parse_args()
 comm = MPI.COMM_WORLD
 if comm.Get_rank() == args.late:
-    comm.Barrier()  # the barrier of finalize_on_exit
+    runtime.meet_before_finalize(comm)  # with the others, as finalize_on_exit does
     print(f"rank {args.late} late by {args.sleep:g} s", file=sys.stderr, flush=True)
     time.sleep(args.sleep)
     MPI.Finalize()
