@@ -11,6 +11,7 @@ Nothing is chosen on the validation folds: every fold runs the config as it is.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -23,13 +24,45 @@ import click
 
 def fold_rmse(run_dir: str | Path) -> float:
     """The validation RMSE of a finished run: the last ``val_mse`` in its metrics."""
+    from hpctrain.runtime import UserError
+
     path = Path(run_dir) / "metrics.jsonl"
     mse = [rec["val_mse"] for rec in map(json.loads, path.read_text().splitlines())
            if "val_mse" in rec]
     if not mse:
-        raise click.ClickException(f"{path} holds no val_mse: the model reports no "
-                                   f"mse in eval_metrics, or the run did not evaluate")
+        raise UserError(f"{path} holds no val_mse: the model reports no mse in "
+                        f"eval_metrics, or the run did not evaluate")
     return math.sqrt(mse[-1])
+
+
+def write_result(run_dir: str | Path, result: dict[str, Any]) -> Path | None:
+    """Write ``run_dir/cv.json``; an earlier run's is kept as ``cv.<k>.json`` (the first
+    free k), which is returned (None: there was none)."""
+    from hpctrain.runtime import UserError
+
+    root = Path(run_dir)
+    path, kept = root / "cv.json", None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            kept = next(root / f"cv.{k}.json" for k in itertools.count(1)
+                        if not (root / f"cv.{k}.json").exists())
+            path.rename(kept)
+        path.write_text(json.dumps(result, indent=2))
+    except OSError as err:
+        raise UserError(f"{path}: the result cannot be written ({err.strerror or err}); "
+                        f"the folds' runs are in {root}") from None
+    return kept
+
+
+def check_result_path(run_dir: str | Path) -> None:
+    """Refuse before any fold trains a ``cv.json`` that could not be written."""
+    from hpctrain.runtime import UserError
+
+    path = Path(run_dir) / "cv.json"
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path} exists and is not a file: cv writes its result there "
+                        f"(give another --run-dir, or move it)")
 
 
 def cross_validate(cfg: Any, comm: Any, folds: list[int], say=print) -> dict[str, Any]:
@@ -96,6 +129,12 @@ def cv_command(config_path: str, folds: int | None, steps: int | None,
                 f"{config_path}: its model ({cfg.model.kind}) reads {reads} data; hpctrain "
                 f"cv validates models of {RATINGS} data on their folds (e.g. "
                 f"configs/dlrm-movielens.toml)")
+        if cfg.train.eval_interval <= 0:
+            raise config_mod.ConfigError(
+                f"{config_path}: eval_interval ({cfg.train.eval_interval}) must be > 0: "
+                f"cv reads each fold's RMSE from its evaluation after the last step")
+        if comm.Get_rank() == 0:
+            check_result_path(cfg.train.run_dir)
         held = read_ratings(cfg.data.path).folds
         n = held if folds is None else folds
         if not 1 <= n <= held:
@@ -109,15 +148,15 @@ def cv_command(config_path: str, folds: int | None, steps: int | None,
         say(f"{len(fold_list)}-fold cross-validation of {config_path} on {comm.Get_size()} "
             f"rank(s), {cfg.train.steps} steps per fold; load {_load()}")
         result = cross_validate(cfg, comm, fold_list, say)
-    if comm.Get_rank() == 0:
-        result["load_after"] = _load()
-        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.train.run_dir) / "cv.json").write_text(json.dumps(result, indent=2))
-        click.echo(f"RMSE per fold: {' '.join(f'{r:.4f}' for r in result['rmse'])}")
-        click.echo(f"mean RMSE {result['mean']:.4f} (std {result['std']:.4f}) over "
-                   f"{len(fold_list)} folds in {result['seconds']:.1f} s on "
-                   f"{comm.Get_size()} rank(s); load {result['load_after']}")
-
+        if comm.Get_rank() == 0:
+            result["load_after"] = _load()
+            kept = write_result(cfg.train.run_dir, result)
+            if kept is not None:
+                click.echo(f"an earlier cv.json in {cfg.train.run_dir}: kept as {kept.name}")
+            click.echo(f"RMSE per fold: {' '.join(f'{r:.4f}' for r in result['rmse'])}")
+            click.echo(f"mean RMSE {result['mean']:.4f} (std {result['std']:.4f}) over "
+                       f"{len(fold_list)} folds in {result['seconds']:.1f} s on "
+                       f"{comm.Get_size()} rank(s); load {result['load_after']}")
 
 def _load() -> str:
     """The 1, 5 and 15 minute load averages (the machine may be shared)."""

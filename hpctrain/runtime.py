@@ -249,8 +249,9 @@ def finalize_on_exit(timeout: float | None = None):
     still inside the finalize leave the same way when their own time is up. Without
     this a job whose work is done and saved can stay in its allocation until the time
     limit (UCX 1.13's TCP transport sometimes never finishes closing its endpoints;
-    DEVELOPERS.md). Any other exception passes
-    through untouched (mpi4py finalizes at exit as before)."""
+    DEVELOPERS.md). Any other exception (one the command's own ``abort_on_error`` did
+    not see) passes through as it is on a single rank; with more ranks it ends the job
+    as ``abort_on_error`` does, since the others may be waiting for this rank."""
     if timeout is None:
         try:
             timeout = finalize_timeout()
@@ -265,7 +266,26 @@ def finalize_on_exit(timeout: float | None = None):
         _finalize_within(status, timeout)
         keep_status_for_hydra(status)
         raise
+    except BaseException:
+        world = _running_world()
+        if world is not None and world.Get_size() > 1:
+            # an error outside the command's own abort_on_error: the other ranks may
+            # wait for this one in their last collectives, so it ends the job
+            with abort_on_error(world):
+                raise
+        raise
     _finalize_within(status, timeout)
+
+
+def _running_world() -> Any:
+    """COMM_WORLD if this process started MPI and has not finalized it, else None."""
+    if "mpi4py.MPI" not in sys.modules:
+        return None
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI.COMM_WORLD
 
 
 def meet_before_finalize(comm) -> None:
@@ -288,13 +308,11 @@ def meet_before_finalize(comm) -> None:
 
 
 def _finalize_within(status: int, timeout: float) -> None:
-    if "mpi4py.MPI" not in sys.modules:  # the command never started MPI
+    comm = _running_world()
+    if comm is None:  # the command never started MPI, or ended it
         return
     from mpi4py import MPI
 
-    if not MPI.Is_initialized() or MPI.Is_finalized():
-        return
-    comm = MPI.COMM_WORLD
     sys.stdout.flush()
     sys.stderr.flush()
     meet_before_finalize(comm)

@@ -20,6 +20,8 @@ parser.add_argument("--timeout", type=float, required=True)
 parser.add_argument("--late", type=int, default=-1, help="this rank finalizes late")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--status", type=int, default=0)
+parser.add_argument("--crash", type=int, default=-1,
+                    help="this rank raises instead of exiting (the others exit)")
 args = parser.parse_args()
 comm = MPI.COMM_WORLD
 if comm.Get_rank() == args.late:
@@ -29,4 +31,6 @@ if comm.Get_rank() == args.late:
     MPI.Finalize()
     sys.exit(args.status)
 with runtime.finalize_on_exit(timeout=args.timeout):
+    if comm.Get_rank() == args.crash:
+        raise RuntimeError("an error outside abort_on_error")
     sys.exit(args.status)

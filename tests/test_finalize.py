@@ -32,6 +32,18 @@ def test_a_finalize_that_does_not_return_ends_the_job_with_its_status():
     assert took < 30, took
 
 
+def test_an_error_on_one_rank_outside_abort_on_error_ends_the_job():
+    """The other rank waits in the last collectives (meet_before_finalize) for the one
+    that raised: without an abort the job hung for good (cv writing its result)."""
+    start = time.monotonic()
+    result = run_mpi(2, [sys.executable, str(JOB), "--timeout", "30", "--crash", "1"],
+                     timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "[rank 1] RuntimeError: an error outside abort_on_error" in result.stderr, \
+        result.stderr
+    assert time.monotonic() - start < 30
+
+
 def test_a_finalize_that_returns_keeps_the_status_and_says_nothing():
     for status in (0, 3):
         result = run_mpi(2, [sys.executable, str(JOB), "--timeout", "20",

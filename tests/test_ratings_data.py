@@ -418,3 +418,23 @@ def test_cv_trains_each_fold_and_reports_the_rmse_of_its_val_mse(ratings_h5, tmp
     bad = CliRunner().invoke(main, ["cv", "--config", str(tokens)])
     assert bad.exit_code == 2 and "its model (gpt) reads hpctrain.tokens data; hpctrain " \
         "cv validates models of hpctrain.ratings data" in bad.output
+    # a second cv into the folder keeps the first one's result
+    again = CliRunner().invoke(main, ["cv", "--config", str(config), "--folds", "1",
+                                      "--run-dir", str(run_dir)])
+    assert again.exit_code == 0, again.output
+    assert f"an earlier cv.json in {run_dir}: kept as cv.1.json" in again.output
+    assert json.loads((run_dir / "cv.1.json").read_text()) == report
+    assert json.loads((run_dir / "cv.json").read_text())["folds"] == [0]
+    # refused before any fold trains: no evaluation to read, a result that cannot be
+    # written (a fold's RMSE was printed, then a traceback; on 2 ranks the job hung)
+    no_eval = tmp_path / "noeval.toml"
+    no_eval.write_text(config.read_text().replace("eval_interval = 3", "eval_interval = 0"))
+    bad = CliRunner().invoke(main, ["cv", "--config", str(no_eval), "--run-dir",
+                                    str(tmp_path / "cv2")])
+    assert bad.exit_code == 2 and "eval_interval (0) must be > 0: cv reads each fold's " \
+        "RMSE from its evaluation after the last step" in bad.output, bad.output
+    (tmp_path / "cv3" / "cv.json").mkdir(parents=True)
+    bad = CliRunner().invoke(main, ["cv", "--config", str(config), "--run-dir",
+                                    str(tmp_path / "cv3")])
+    assert bad.exit_code == 2 and "cv.json exists and is not a file" in bad.output, bad.output
+    assert not (tmp_path / "cv2").exists() and not (tmp_path / "cv3" / "fold0").exists()
