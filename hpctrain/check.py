@@ -21,6 +21,7 @@ reference needs the whole model on one rank: check a small version of a large co
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from typing import Any
 
 import click
 
+from hpctrain.clitypes import FiniteRange
 from hpctrain.config import Config, ConfigError
 
 RTOL = {"float64": 1e-8, "float32": 1e-4}  # --rtol's default for each --dtype
@@ -172,13 +174,44 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     return Comparison(_records(runs["serial"]), _records(runs["layout"]), rtol)
 
 
+FOLDER_PREFIX = "hpctrain-check-"  # then rank 0's pid, "-" and mkdtemp's letters
+
+
+def make_folder() -> Path:
+    """Rank 0's folder for the two runs, named after its process."""
+    return Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+
+
+def remove_abandoned(temp: str | Path | None = None) -> list[Path]:
+    """Remove the folders of earlier checks whose process is gone: a check stopped by
+    Ctrl-C or ended by another rank's MPI_Abort cannot remove its own. Returns them."""
+    removed = []
+    for path in sorted(Path(temp or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*")):
+        pid = path.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)) or not path.is_dir():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @click.command("check", context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="The TOML config to check (a small version of a large one: the serial "
                    "reference holds the whole model on one rank).")
 @click.option("--steps", type=click.IntRange(1), default=5, show_default=True,
               help="Optimizer steps of each run.")
-@click.option("--rtol", type=click.FloatRange(0, min_open=True),
+@click.option("--rtol", type=FiniteRange(0, min_open=True),
               help="Largest relative difference of a step's loss or gradient norm allowed "
                    "(default: 1e-8 in float64, 1e-4 in float32).")
 @click.option("--dtype", type=click.Choice(["float64", "float32"]), default="float64",
@@ -231,8 +264,11 @@ def check_command(config_path: str, steps: int, rtol: float | None, dtype: str,
 
     with abort_on_error(comm):
         layout, serial, changed = startup_check(comm, setup)
-        folder = Path(tempfile.mkdtemp(prefix="hpctrain-check-")) if rank0 else None
+        folder = make_folder() if rank0 else None
         if rank0:
+            for path in remove_abandoned():
+                click.echo(f"removed {path}: the folder of an earlier check that was "
+                           f"stopped before it could remove it")
             click.echo(f"hpctrain check: {config_path} at "
                        f"{layout_name(layout, comm.Get_size())} against one rank, "
                        f"{steps} steps in {dtype}" +

@@ -3,12 +3,13 @@ under ``mpiexec`` on a tiny byte-level corpus. A correct layout is equal to one 
 a data-parallel sum broken on purpose (MPI.MAX for MPI.SUM) is caught and the job
 exits 1; what differs from one rank by design is refused by name."""
 
+import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from hpctrain.check import Comparison
+from hpctrain.check import FOLDER_PREFIX, Comparison, remove_abandoned
 from hpctrain.testing import run_mpi, tiny_corpus_config
 
 CONFIG = textwrap.dedent("""
@@ -85,6 +86,7 @@ def test_a_broken_gradient_sum_is_caught(config_file, tmp_path):
     (["--resume", "auto"], "--resume: check trains from scratch"),
     (["--tpp", "2"], "No such option '--tpp'"),
     (["--tp", "3"], "tp (3) must divide n_head (2)"),
+    (["--rtol", "nan"], "nan is not a finite number"),  # nan passed every comparison
 ])
 def test_what_cannot_equal_one_rank_is_refused(config_file, args, message):
     result = check(config_file, *args)
@@ -107,3 +109,19 @@ def test_float32_is_checked_at_its_own_tolerance(config_file):
     assert result.returncode == 0, result.stderr
     first, last = result.stdout.splitlines()[0], result.stdout.splitlines()[-1]
     assert first.endswith("2 steps in float32") and "(--rtol 0.0001)" in last
+
+
+def test_folders_of_stopped_checks_are_removed_and_live_ones_kept(tmp_path):
+    """A check ended by Ctrl-C (another rank's MPI_Abort kills rank 0 before its own
+    cleanup) left its folder behind for good; the next check removes it."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"{FOLDER_PREFIX}{gone}-abc123"
+    (stale / "layout").mkdir(parents=True)
+    (stale / "layout" / "metrics.jsonl").write_text("{}\n")
+    live = tmp_path / f"{FOLDER_PREFIX}1-def456"  # pid 1 runs
+    live.mkdir()
+    other = tmp_path / f"{FOLDER_PREFIX}xyz"  # not of this form: left alone
+    other.mkdir()
+    assert remove_abandoned(tmp_path) == [stale]
+    assert not stale.exists() and live.is_dir() and other.is_dir()

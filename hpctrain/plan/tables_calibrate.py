@@ -48,6 +48,7 @@ from typing import Any
 import click
 import numpy as np
 
+from hpctrain.clitypes import FiniteRange
 from hpctrain.config import ConfigError, TableConfig, read_toml
 from hpctrain.plan import tables as tp
 
@@ -454,17 +455,6 @@ def run_job(launcher: str, ranks: int, argv: list[str], timeout: float) -> dict:
 
 # ---------------------------------------------------------------------------------
 # the commands
-
-class FiniteRange(click.FloatRange):
-    """``click.FloatRange`` refusing nan and inf as well (nan passes any bound: it
-    compares false with everything)."""
-
-    def convert(self, value, param, ctx):
-        got = super().convert(value, param, ctx)
-        if not math.isfinite(got):
-            self.fail(f"{got} is not a finite number.", param, ctx)
-        return got
-
 
 POSITIVE = FiniteRange(min=0, min_open=True)
 
