@@ -57,10 +57,63 @@ def test_render_fills_resources_and_layout_and_stays_valid_bash(tmp_path):
     (JobRequest(nodes=0, ranks_per_node=4), r"must be at least 1"),
     (JobRequest(nodes=1, ranks_per_node=4, launcher="ssh"),
      r"launcher \('ssh'\) must be one of auto, srun, mpiexec"),
+    (JobRequest(nodes=1, ranks_per_node=4, tp=0), r"^tp \(0\) must be at least 1$"),
+    (JobRequest(nodes=1, ranks_per_node=4, pp=0), r"^pp \(0\) must be at least 1$"),
+    (JobRequest(nodes=1, ranks_per_node=4, dp=0), r"^dp \(0\) must be at least 1$"),
+    (JobRequest(nodes=1, ranks_per_node=4, time="99:99:99"),
+     r"time \('99:99:99'\) must look like MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
+    (JobRequest(nodes=1, ranks_per_node=4, time="10:60"), r"time \('10:60'\)"),
+    (JobRequest(nodes=1, ranks_per_node=4, time="1-24"), r"time \('1-24'\)"),
+    (JobRequest(nodes=1, ranks_per_node=4, time="1-23:59:60"), r"time \('1-23:59:60'\)"),
 ])
 def test_layouts_that_do_not_fit_are_refused(req, message):
     with pytest.raises(ConfigError, match=message):
         check_fit(req)
+
+
+@pytest.mark.parametrize("time", ["30", "90", "90:00", "00:30:00", "99:59:59", "1-0",
+                                  "2-23", "1-23:59", "10-23:59:59"])
+def test_slurm_time_forms_are_accepted(time):
+    assert check_fit(JobRequest(nodes=1, ranks_per_node=4, time=time)) == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "0"], "tp (0) must be at least 1"),
+    (["--pp", "0"], "pp (0) must be at least 1"),
+    (["--hpctrain", "$HOME/venv/bin/hpctrain"],
+     "HPCTRAIN ('$HOME/venv/bin/hpctrain') must not contain \" $ ` or \\"),
+    (["--train-args", "--run-dir $SCRATCH/run1"], "must not contain \" $ ` or \\"),
+    (["--ranks-per-node", "3", "--tp", "3"], "tp (3) must divide n_head (4)"),
+    (["--ranks-per-node", "0"], "ranks per node (0)"),
+    (["--time", "2h"], "time ('2h') must look like"),
+    (["--time", "99:99:99"], "time ('99:99:99') must look like"),
+    (["--config", "nonexist.toml"], "config file 'nonexist.toml' does not exist"),
+    (["--train-args", "--bogus 1"], "No such option '--bogus'"),
+    (["--job-name", "my job"], "--job-name ('my job') must be non-empty, without whitespace"),
+    (["--job-name", "x\n#SBATCH --exclusive"], "--job-name ('x\\n#SBATCH --exclusive')"),
+    (["--partition", "a b"], "--partition ('a b') must be non-empty, without whitespace"),
+    (["--account", "a\tb"], "--account ('a\\tb') must be non-empty, without whitespace"),
+])
+def test_bad_input_is_a_usage_error_with_its_message(tmp_path, args, message):
+    """Every bad value exits 2 (the project's status for bad input) with one message,
+    no traceback, and nothing written."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[model]\nn_head = 4\nd_model = 64\n[train]\nbatch_size = 8\n")
+    out = tmp_path / "job.sbatch"
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "2",
+                                       "--config", str(cfg), "-o", str(out), *args])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert message in result.output and "Traceback" not in result.output, result.output
+    assert not out.exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused(tmp_path):
+    out = tmp_path / "nodir" / "job.sbatch"
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "4",
+                                       "-o", str(out)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"cannot write {out}: No such file or directory" in result.output, result.output
+    assert not out.parent.exists()
 
 
 def test_render_validates_the_model_for_the_layout(tmp_path):
@@ -97,6 +150,10 @@ def test_render_reads_the_training_options_as_train_does(tmp_path, train_args, m
 def test_render_refuses_values_that_would_break_the_script():
     req = JobRequest(nodes=1, ranks_per_node=1, config='evil"; rm -rf /')
     with pytest.raises(ConfigError, match="must not contain"):
+        render((TEMPLATES / "train.sbatch").read_text(), req, 1)
+    # a newline in an #SBATCH value would add a directive of its own
+    req = JobRequest(nodes=1, ranks_per_node=1, job_name="x\n#SBATCH --exclusive")
+    with pytest.raises(ConfigError, match=r"--job-name \('x\\n#SBATCH --exclusive'\)"):
         render((TEMPLATES / "train.sbatch").read_text(), req, 1)
 
 

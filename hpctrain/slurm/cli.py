@@ -55,13 +55,17 @@ def render_cmd(template, output, config_path, time_limit, hpctrain_cmd, **option
     try:
         dp = check_fit(req)
         check_config(req, dp)
-    except ConfigError as err:
-        raise click.ClickException(str(err)) from None
-    script = render(template.read_text(), req, dp)
+        script = render(template.read_text(), req, dp)
+    except ConfigError as err:  # bad input: a usage error, exit 2
+        raise click.UsageError(str(err)) from None
     if output is None:
         click.echo(script, nl=False)
     else:
-        output.write_text(script)
-        output.chmod(0o755)
+        try:
+            output.write_text(script)
+            output.chmod(0o755)
+        except OSError as err:
+            raise click.BadParameter(f"cannot write {output}: {err.strerror or err}",
+                                     param_hint="'-o' / '--output'") from None
         click.echo(f"wrote {output}: {req.nodes} node(s) x {req.ranks_per_node} ranks, "
                    f"dp={dp} tp={req.tp} pp={req.pp}; submit with: sbatch {output}", err=True)

@@ -56,10 +56,15 @@ def check_fit(req: JobRequest) -> int:
     if req.nodes < 1 or req.ranks_per_node < 1 or req.cpus_per_task < 1:
         raise ConfigError(f"nodes ({req.nodes}), ranks per node ({req.ranks_per_node}) and "
                           f"cpus per task ({req.cpus_per_task}) must be at least 1")
-    if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", req.time):
-        raise ConfigError(f"time ({req.time!r}) must look like MM, HH:MM:SS or D-HH:MM:SS")
+    if not _is_time_limit(req.time):
+        raise ConfigError(f"time ({req.time!r}) must look like MM, MM:SS, HH:MM:SS, D-HH, "
+                          f"D-HH:MM or D-HH:MM:SS, with minutes and seconds 0-59 and hours "
+                          f"0-23 after a day count")
     if req.launcher not in LAUNCHERS:
         raise ConfigError(f"launcher ({req.launcher!r}) must be one of {', '.join(LAUNCHERS)}")
+    for name, size in (("dp", req.dp), ("tp", req.tp), ("pp", req.pp)):
+        if size is not None and size < 1:  # before dividing by tp * pp
+            raise ConfigError(f"{name} ({size}) must be at least 1")
     mp = req.tp * req.pp
     dp = req.dp if req.dp is not None else req.ranks // mp
     if dp * mp != req.ranks:
@@ -72,6 +77,17 @@ def check_fit(req: JobRequest) -> int:
             f"tp ({req.tp}) must divide ranks per node ({req.ranks_per_node}): a tensor "
             f"group must sit on one node")
     return dp
+
+
+def _is_time_limit(text: str) -> bool:
+    """SLURM's forms MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS. The leading field
+    is unbounded (``90`` is 90 minutes) but for a day's hours; the fields below it are
+    minutes or seconds."""
+    if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", text):
+        return False
+    days, _, clock = text.rpartition("-")
+    fields = [int(f) for f in clock.split(":")]
+    return (not days or fields[0] <= 23) and all(f <= 59 for f in fields[1:])
 
 
 def check_config(req: JobRequest, dp: int) -> None:
@@ -125,8 +141,12 @@ _DEFAULT = re.compile(r'^: "\$\{([A-Z_]+):=(.*?)\}"(.*)$')
 def _render_line(line: str, sbatch: dict, defaults: dict) -> str:
     m = _SBATCH.match(line)
     if m and sbatch.get(m.group(2)) is not None:
-        return _keep_comment_column(line, f"#SBATCH --{m.group(2)}={sbatch[m.group(2)]}",
-                                    m.group(4))
+        key, value = m.group(2), str(sbatch[m.group(2)])
+        # sbatch ends the value at whitespace; a newline would start a line of its own
+        if not value or any(c.isspace() or not c.isprintable() for c in value):
+            raise ConfigError(f"--{key} ({value!r}) must be non-empty, without whitespace "
+                              f"or control characters")
+        return _keep_comment_column(line, f"#SBATCH --{key}={value}", m.group(4))
     m = _DEFAULT.match(line)
     if m and m.group(1) in defaults:
         name, value = m.group(1), str(defaults[m.group(1)])
