@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,16 +14,28 @@ import click
 
 from hpctrain import bench
 from hpctrain.config import ConfigError
+from hpctrain.runtime import EXIT_INTERRUPTED, EXIT_USER_ERROR
 
 
 def _find_mpiexec(given: str | None) -> str:
     """``--mpiexec``, else the one beside this Python (the MPICH wheel's), else PATH's."""
     from hpctrain.runtime import UserError, find_mpiexec
 
+    if given is not None:
+        if shutil.which(given) is None:
+            raise click.BadParameter(f"{given}: no such program (give a path or a name on "
+                                     f"PATH)", param_hint="--mpiexec")
+        return given
     try:
-        return given or find_mpiexec()
+        return find_mpiexec()
     except UserError as err:
         raise click.UsageError(str(err)) from None
+
+
+class LayoutRefused(click.ClickException):
+    """A layout's job ended with the status of a user error (its ranks said why)."""
+
+    exit_code = 2
 
 
 def _default_layouts() -> str:
@@ -108,7 +121,11 @@ def bench_command(model: str, layouts: tuple[str, ...], data: str | None, steps:
         raise click.BadParameter(f"{data} does not exist (prepare it with: make data)",
                                  param_hint="--data")
     launcher = _find_mpiexec(mpiexec)
-    Path(out).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise click.BadParameter(f"{out}: cannot be made ({err.strerror or err})",
+                                 param_hint="--out") from None
     results = []
     for layout in layouts:
         ranks = bench.LAYOUTS[layout][0]
@@ -125,6 +142,15 @@ def bench_command(model: str, layouts: tuple[str, ...], data: str | None, steps:
             proc = subprocess.run(cmd, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise click.ClickException(f"layout {layout} took more than {timeout} s") from None
+        except KeyboardInterrupt:  # Ctrl-C reached the layout's job as well
+            click.echo(f"interrupted during layout {layout}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        if proc.returncode == EXIT_USER_ERROR:
+            raise LayoutRefused(f"layout {layout} refused its input (status 2; its ranks' "
+                                f"message is above)")
+        if proc.returncode == EXIT_INTERRUPTED:
+            click.echo(f"interrupted during layout {layout}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         if proc.returncode != 0:
             raise click.ClickException(f"layout {layout} failed (exit status "
                                        f"{proc.returncode}): {' '.join(cmd)}")

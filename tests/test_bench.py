@@ -76,3 +76,38 @@ def test_data_defaults_to_the_models_dataset(tmp_path, monkeypatch):
         result = CliRunner().invoke(main, ["bench", "--model", model])
         assert result.exit_code == 2, result.output
         assert f"{path} does not exist" in result.output
+
+
+def test_a_launcher_or_an_output_that_cannot_work_is_refused_before_any_layout(tmp_path):
+    data = tmp_path / "x.h5"
+    data.write_bytes(b"")  # exists: the launcher and --out are checked after the data
+    result = CliRunner().invoke(main, ["bench", "--model", "cnn", "--layout", "serial",
+                                       "--data", str(data), "--out", str(tmp_path / "out"),
+                                       "--mpiexec", str(tmp_path / "no-mpiexec")])
+    assert result.exit_code == 2, result.output  # a traceback (FileNotFoundError) before
+    assert f"{tmp_path / 'no-mpiexec'}: no such program" in result.output
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(main, ["bench", "--model", "cnn", "--layout", "serial",
+                                       "--data", str(data), "--out", str(tmp_path / "file/x")])
+    assert result.exit_code == 2, result.output  # NotADirectoryError's traceback before
+    assert "file/x: cannot be made (Not a directory)" in result.output
+
+
+def test_data_of_another_kind_ends_the_bench_with_the_layouts_refusal(tmp_path):
+    """The layout's ranks refuse a token stream for the CNN (status 2); the bench said
+    'failed' and exited 1."""
+    import subprocess
+    import sys
+
+    from hpctrain.testing import tiny_corpus_config
+
+    tokens = tiny_corpus_config(tmp_path, "", "some text", 50).with_name("corpus.h5")
+    result = subprocess.run([sys.executable, "-m", "hpctrain.cli", "bench", "--model", "cnn",
+                             "--layout", "serial", "--steps", "3", "--warmup", "1",
+                             "--data", str(tokens), "--out", str(tmp_path / "out"),
+                             "--timeout", "120"], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 2, result.stderr
+    assert "holds a token stream" in result.stderr
+    assert "layout serial refused its input (status 2; its ranks' message is above)" \
+        in result.stderr
