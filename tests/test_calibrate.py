@@ -83,6 +83,8 @@ def test_the_fit_refuses_one_size_and_flat_times():
     (["--messages", "1KiB,0"], "message (0) must be positive"),
     (["--messages", "4KiB"], "needs two or more sizes"),
     (["--ranks-per-node", "0"], "count (0) must be positive"),
+    # 64 ranks on a machine of a few cores ran until killed, 0 BLAS threads each
+    (["--ranks-per-node", "1,4096"], "4096: at most this machine's"),
     (["--repeats", "0"], "0"),
 ])
 def test_bad_options_are_refused_naming_the_value(tmp_path, args, message):
@@ -91,6 +93,15 @@ def test_bad_options_are_refused_naming_the_value(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not out.exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(calibrate_command, ["--out", str(tmp_path / "file" / "c.toml"),
+                                                    "--quick"])
+    assert result.exit_code == 2, result.output  # a traceback after the measurement before
+    assert "file/c.toml: cannot be written (File exists)" in result.output
+    assert "calibrating" not in result.output
 
 
 def test_a_quick_run_writes_a_description_that_reads_back(tmp_path):

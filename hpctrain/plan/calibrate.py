@@ -733,6 +733,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
         launcher = mpiexec or find_mpiexec()
     except UserError as err:
         raise click.UsageError(str(err)) from None
+    _check_output(Path(out))  # before minutes of measurement
     if emulated:
         from hpctrain.plan import emulated as emu
 
@@ -743,6 +744,10 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
                       _command_line(click.get_current_context()))
         return
     cores = core_count()
+    over = [r for r in ranks_per_node or () if r > cores]
+    if over:  # a rank would get no core of its own, and cores // r no BLAS thread
+        raise click.BadParameter(f"{','.join(map(str, over))}: at most this machine's "
+                                 f"{cores} cores", param_hint="--ranks-per-node")
     plan = Settings(cores, ranks_per_node or tuple(sorted({1, cores})),
                     sizes or (QUICK_SIZES if quick else DEFAULT_SIZES),
                     messages or (QUICK_MESSAGES if quick else DEFAULT_MESSAGES),
@@ -773,6 +778,20 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     except cl.ClusterError as err:
         raise click.ClickException(f"{out} was written but does not read back: {err}") from None
     click.echo(summary(back, out))
+
+
+def _check_output(out: Path) -> None:
+    """The description's folder can be made and written into (a file is made and
+    removed there), or a usage error naming the path."""
+    import tempfile
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".calibrate-"):
+            pass
+    except OSError as err:
+        raise click.BadParameter(f"{out}: cannot be written ({err.strerror or err})",
+                                 param_hint="--out") from None
 
 
 if __name__ == "__main__":
