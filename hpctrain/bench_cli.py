@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,15 +20,10 @@ def _find_mpiexec(given: str | None) -> str:
     """``--mpiexec``, else the one beside this Python (the MPICH wheel's), else PATH's."""
     from hpctrain.runtime import UserError, find_mpiexec
 
-    if given is not None:
-        if shutil.which(given) is None:
-            raise click.BadParameter(f"{given}: no such program (give a path or a name on "
-                                     f"PATH)", param_hint="--mpiexec")
-        return given
     try:
-        return find_mpiexec()
+        return find_mpiexec(given)
     except UserError as err:
-        raise click.UsageError(str(err)) from None
+        raise click.BadParameter(str(err), param_hint="--mpiexec") from None
 
 
 class LayoutRefused(click.ClickException):

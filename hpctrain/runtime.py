@@ -200,11 +200,16 @@ def keep_freed_memory() -> bool:
     return bool(ok)
 
 
-def find_mpiexec() -> str:
-    """The ``mpiexec`` beside this Python (the venv's MPICH wheel), else the one on PATH."""
+def find_mpiexec(given: str | None = None) -> str:
+    """``given`` (a command's ``--mpiexec``) if it names a program, else the ``mpiexec``
+    beside this Python (the venv's MPICH wheel), else the one on PATH."""
     import os
     import shutil
 
+    if given is not None:
+        if shutil.which(given) is None:
+            raise UserError(f"{given}: no such program (give a path or a name on PATH)")
+        return given
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
     if found is None:

@@ -310,6 +310,17 @@ def test_calibrate_tables_refuses_a_bad_timeout_before_any_job(value):
     assert got.exit_code == 2 and "'--timeout'" in _refused(got)
 
 
+def test_calibrate_tables_refuses_a_launcher_or_an_output_that_cannot_work(tmp_path):
+    got = CliRunner().invoke(main, ["calibrate-tables", "--config", CONFIG, "--ranks", "2",
+                                    "--mpiexec", str(tmp_path / "none")])
+    assert got.exit_code == 2 and "none: no such program" in got.output, got.output
+    (tmp_path / "file").write_text("")
+    got = CliRunner().invoke(main, ["calibrate-tables", "--config", CONFIG, "--ranks", "2",
+                                    "--mpiexec", "false", "--out", str(tmp_path / "file/r")])
+    assert got.exit_code == 2 and "file/r: cannot be written" in got.output, got.output
+    assert "measuring" not in got.output  # before any job
+
+
 def test_calibrate_tables_measures_a_repeated_rank_count_once():
     from hpctrain.plan.tables_calibrate import _ranks
 

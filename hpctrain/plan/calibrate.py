@@ -730,10 +730,10 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
         raise click.BadParameter(f"{','.join(map(str, messages))}: fitting latency and "
                                  f"bandwidth needs two or more sizes", param_hint="--messages")
     try:
-        launcher = mpiexec or find_mpiexec()
+        launcher = find_mpiexec(mpiexec)
     except UserError as err:
-        raise click.UsageError(str(err)) from None
-    _check_output(Path(out))  # before minutes of measurement
+        raise click.BadParameter(str(err), param_hint="--mpiexec") from None
+    check_output(Path(out))  # before minutes of measurement
     if emulated:
         from hpctrain.plan import emulated as emu
 
@@ -780,7 +780,7 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     click.echo(summary(back, out))
 
 
-def _check_output(out: Path) -> None:
+def check_output(out: Path) -> None:
     """The description's folder can be made and written into (a file is made and
     removed there), or a usage error naming the path."""
     import tempfile

@@ -500,7 +500,8 @@ DEFAULT_RATES = "configs/clusters/tables-this-machine.toml"
               help="Group sizes to measure at (one MPI job each).")
 @click.option("--out", default=DEFAULT_RATES, show_default=True,
               help="The rates file to write.")
-@click.option("--mpiexec", default="mpiexec", show_default=True, help="MPI launcher.")
+@click.option("--mpiexec", help="MPI launcher (default: the one beside this Python, else "
+                                 "PATH's).")
 @click.option("--timeout", type=POSITIVE, default=600, show_default=True,
               help="Seconds per MPI job before it is killed.")
 def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ranks,
@@ -513,6 +514,14 @@ def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fil
       hpctrain calibrate-tables --config configs/dlrm-movielens.toml \\
           --hashed-rows 10000000 --ranks 2,4
     """
+    from hpctrain.plan.calibrate import check_output
+    from hpctrain.runtime import UserError, find_mpiexec
+
+    try:  # the default was PATH's mpiexec, maybe of another MPI than this mpi4py's
+        mpiexec = find_mpiexec(mpiexec)
+    except UserError as err:
+        raise click.BadParameter(str(err), param_hint="--mpiexec") from None
+    check_output(Path(out))  # before the jobs
     optimizer = optimizer or _optimizer(config_path)
     argv = ["--config", config_path, "--hashed-rows", str(hashed_rows), "--batch",
             str(batch), "--optimizer", optimizer, "--bag-fill", str(bag_fill)]
@@ -526,8 +535,9 @@ def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fil
                                       f"hpctrain/plan/tables_calibrate.py)"))
     click.echo(f"wrote {out}")
     for r in got:
-        click.echo(f"  {r.ranks} ranks (load {r.load.split()[0]}): a2a "
-                   f"{r.a2a.latency_s * 1e6:.0f} us + {r.a2a.bytes_per_s / 1e9:.2f} GB/s, "
+        a2a = "none at 1 rank" if r.ranks == 1 else \
+            f"{r.a2a.latency_s * 1e6:.0f} us + {r.a2a.bytes_per_s / 1e9:.2f} GB/s"
+        click.echo(f"  {r.ranks} ranks (load {r.load.split()[0]}): a2a {a2a}, "
                    f"pool {r.pool['cached'].time(1, 64) * 1e9:.0f}/"
                    f"{r.pool['uncached'].time(1, 64) * 1e9:.0f} ns per row of 64 B, "
                    f"dense {sum(r.dense.values()) * 1e3:.2f} ms")
