@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpctrain.cli import main
-from hpctrain.cluster import cpu, launch, slurmd
+from hpctrain.cluster import cpu, launch, lifecycle, slurmd
 from hpctrain.cluster import spec as spec_mod
 from hpctrain.config import ConfigError
 from hpctrain.testing import mpiexec
@@ -79,6 +79,20 @@ def test_a_spec_round_trips_through_its_saved_form():
     ({"subnet": "8.8.8.0/24"}, r"subnet \('8.8.8.0/24'\) must be a private IPv4 network"),
     ({"subnet": "10.1.2.0/29"}, r"has 8 addresses; 2 node\(s\) need 13"),
     ({"subnet": "nonsense"}, r"subnet \('nonsense'\) must be an IPv4 network"),
+    ({"subnet": 10}, r"subnet \(10\) must be a string such as '10.213.0.0/24'"),
+    ({"subnet": "10.240.3.5/24"}, r"must be an IPv4 network .*: 10.240.3.5/24 has host bits"),
+    *[({"subnet": net}, r"must be a private IPv4 network .*\(inside 10.0.0.0/8, "
+                        r"172.16.0.0/12, 192.168.0.0/16\)")
+      for net in ["0.0.0.0/24", "240.0.0.0/24", "169.254.0.0/24", "198.18.0.0/24",
+                  "127.0.0.0/24", "fd00::/64"]],
+    ({"nodes": [{"cpu_share": 0.01}]},
+     r"cpu_share \(0.01\) must be at least 0.1 for 1 core\(s\): the CPU quota cannot be "
+     r"below 1000 us"),
+    ({"nodes": [{"cores": 2, "cpu_share": 0.04}]}, r"cpu_share \(0.04\) must be at least 0.05 "),
+    ({"nodes": [{"count": 10**9}]}, r"nodes \(1000000000\) must be between 1 and 64"),
+    ({"nodes": [{"count": 60}, {"count": 10**12}]}, r"nodes \(1000000000060\) must be "),
+    ({"link": "100tbit"}, r"link \('100tbit'\) must be between 1kbit and 10tbit"),
+    ({"nodes": [{"link": "1bit"}]}, r"link \('1bit'\) must be between 1kbit and 10tbit"),
     ({"cpu_limit": "nice"}, r"cpu_limit \('nice'\) must be one of cpuset, quota"),
     ({"speed": 1}, r"unknown key\(s\) \['speed'\] in \[cluster\]"),
     ({"nodes": [{"count": 1, "gpus": 1}]}, r"unknown key\(s\) \['gpus'\]"),
@@ -89,11 +103,21 @@ def test_bad_input_is_refused_naming_the_value_and_the_rule(cluster, message):
         build(**cluster)
 
 
+def test_the_smallest_share_and_the_rate_range_are_allowed():
+    assert build(nodes=[{"cpu_share": 0.1}]).nodes[0].quota_us == 1000
+    assert build(nodes=[{"cores": 2, "cpu_share": 0.05}]).nodes[0].quota_us == 1000
+    assert spec_mod.parse_rate("1kbit") == 10**3 and spec_mod.parse_rate("10tbit") == 10**13
+    with pytest.raises(ConfigError, match=r"link \('999bit'\) must be between 1kbit"):
+        spec_mod.parse_rate("999bit")
+
+
 def test_uniform_clusters_name_their_rules_without_group_numbers():
     with pytest.raises(ConfigError, match=r"^nodes \(0\) must be at least 1$"):
         spec_mod.uniform(0)
     with pytest.raises(ConfigError, match=r"^cores \(\d+\) must be between 1 and this "):
         spec_mod.uniform(2, cores=(os.cpu_count() or 1) + 1)
+    with pytest.raises(ConfigError, match=r"^nodes \(100000000\) must be between 1 and 64$"):
+        spec_mod.uniform(10**8)  # refused before a node is made, not after 10**8 of them
 
 
 def test_the_example_cluster_files_are_valid(tmp_path):
@@ -275,3 +299,71 @@ def test_without_root_the_cluster_commands_say_so():
                              "--name", "nobody"], capture_output=True, text=True, timeout=60,
                             cwd=ROOT)
     assert result.returncode == 1 and "needs root" in result.stderr, result.stderr
+
+
+NAME_RULE = "must be 1 to 8 lowercase letters or digits"
+
+
+@pytest.fixture
+def state_root(tmp_path, monkeypatch):
+    """The cluster state under tmp_path instead of /run/hpctrain."""
+    root = tmp_path / "run"
+    (root / "cluster-hpcx").mkdir(parents=True)
+    monkeypatch.setattr(lifecycle, "STATE_ROOT", root)
+    return root
+
+
+@pytest.mark.parametrize("command", [["down"], ["status"], ["run", "--ranks-per-node", "1"],
+                                     ["exec"]])
+def test_every_command_applies_the_name_rule_before_using_the_name(command, state_root):
+    victim = state_root.parent / "victim"
+    (victim / "inside").mkdir(parents=True)
+    bad = "hpcx/../../victim"  # state_dir: run/cluster-hpcx/../../victim
+    args = ["cluster", command[0], "--name", bad, *command[1:]]
+    args += {"run": ["--", "true"], "exec": ["hpcx0", "--", "true"]}.get(command[0], [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and NAME_RULE in result.output, result.output
+    assert (victim / "inside").is_dir() and not (state_root.parent / "victim.lock").exists()
+    with pytest.raises(ConfigError, match=NAME_RULE):
+        lifecycle.state_dir(bad)
+    with pytest.raises(ConfigError, match=NAME_RULE):
+        lifecycle.down(bad)
+
+
+def test_up_refuses_an_empty_name_instead_of_the_default(monkeypatch):
+    made = []
+    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: made.append(spec) or 1 / 0)
+    runner = CliRunner()
+    for args in [[], ["--config", "configs/cluster-unequal.toml"]]:
+        result = runner.invoke(main, ["cluster", "up", "--name", "", *args])
+        assert result.exit_code == 2 and f"name ('') {NAME_RULE}" in result.output, \
+            result.output
+    assert made == []
+
+
+def test_cli_refuses_rates_tc_refuses_and_shares_below_the_smallest_quota(monkeypatch):
+    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: pytest.fail(f"built {spec}"))
+    runner = CliRunner()
+    for args, message in [(["--link", "100tbit"], "must be between 1kbit and 10tbit"),
+                          (["--link", "1bit"], "must be between 1kbit and 10tbit"),
+                          (["--cpu-share", "0.01"], "cpu_share (0.01) must be at least 0.1"),
+                          (["--nodes", "100000000"], "nodes (100000000) must be between 1"),
+                          (["--subnet", "127.0.0.0/24"], "must be a private IPv4 network")]:
+        result = runner.invoke(main, ["cluster", "up", "--name", "hpcxbad", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_status_names_what_a_half_built_cluster_left(state_root):
+    spec = build(name="hpcxh", subnet="10.241.0.0/24", nodes=[{"count": 1}])
+    lifecycle.state_dir("hpcxh").mkdir()
+    lifecycle._write_state(lifecycle.state_dir("hpcxh"), spec, "building", None)
+    result = CliRunner().invoke(main, ["cluster", "status", "--name", "hpcxh"])
+    assert result.exit_code == 1, result.output
+    assert "no cluster 'hpcxh' is up" in result.output
+    assert "removed by `hpctrain cluster down --name hpcxh`" in result.output
+    assert f"state {lifecycle.state_dir('hpcxh')}" in result.output
+
+
+def test_exec_says_its_command_is_a_program_not_a_shell_line():
+    result = CliRunner().invoke(main, ["cluster", "exec", "--help"])
+    assert "-- sh -c 'hostname; getent hosts x'" in " ".join(result.output.split())

@@ -13,10 +13,20 @@ from pathlib import Path
 
 import click
 
+from hpctrain.cluster import spec as spec_mod
 from hpctrain.cluster.spec import CPU_LIMITS, DEFAULT_NAME, DEFAULT_SUBNET, format_rate
 from hpctrain.config import ConfigError
 
-NAME = click.option("--name", default=DEFAULT_NAME, show_default=True,
+
+def _check_name(ctx, param, value: str | None) -> str | None:
+    """Every subcommand applies the name rule before the name reaches a path."""
+    try:
+        return value if value is None else spec_mod.check_name(value)
+    except ConfigError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+NAME = click.option("--name", default=DEFAULT_NAME, show_default=True, callback=_check_name,
                     help="The cluster's name: prefix of its namespaces, links, cgroups and "
                          "host names (several clusters may be up at once).")
 
@@ -75,13 +85,13 @@ def cluster() -> None:
 @click.option("--owner", type=int,
               help="The process this cluster belongs to: once it has ended, the next `up` "
                    "of this name removes the cluster as a leftover (tests pass their pid).")
-@click.option("--name", help=f"The cluster's name [default: the file's, or {DEFAULT_NAME}].")
+@click.option("--name", callback=_check_name,
+              help=f"The cluster's name [default: the file's, or {DEFAULT_NAME}].")
 @_errors
 def up_cmd(config_path, nodes, cores, cpu_share, link, subnet, cpu_limit, slurm, owner,
            name) -> None:
     """Build the cluster; refuse bad input before anything is made."""
     from hpctrain.cluster import lifecycle
-    from hpctrain.cluster import spec as spec_mod
 
     if config_path is not None:
         ctx = click.get_current_context()
@@ -94,13 +104,13 @@ def up_cmd(config_path, nodes, cores, cpu_share, link, subnet, cpu_limit, slurm,
         spec = spec_mod.load(config_path)
         if name is not None or slurm is not None:
             raw = spec.to_dict()
-            raw["name"] = name or raw["name"]
+            raw["name"] = raw["name"] if name is None else name
             raw["slurm"] = spec.slurm if slurm is None else slurm
             spec = spec_mod.build(raw)
     else:
         spec = spec_mod.uniform(nodes, cores=cores, cpu_share=cpu_share, link=link,
                                 subnet=subnet, cpu_limit=cpu_limit, slurm=bool(slurm),
-                                name=name or DEFAULT_NAME)
+                                name=DEFAULT_NAME if name is None else name)
     cl = lifecycle.up(spec, owner=owner, log=click.echo)
     _print_nodes(cl)
     click.echo(f"run across it:  hpctrain cluster run --name {spec.name} --ranks-per-node 2 "
@@ -124,8 +134,12 @@ def _print_nodes(cl, status: list[dict] | None = None) -> None:
                 f"{r['link']:>8}")
         if status is not None:
             used = "-" if r["cpu_s"] is None else f"{r['cpu_s']:.1f}"
-            line += (f" {r['processes']:>5} {r['sent_bytes'] / 1e6:>9.1f} "
-                     f"{r['received_bytes'] / 1e6:>9.1f} {used:>8}")
+            sent, received = (("-", "-") if r["sent_bytes"] is None else
+                              (f"{r['sent_bytes'] / 1e6:.1f}",
+                               f"{r['received_bytes'] / 1e6:.1f}"))
+            line += f" {r['processes']:>5} {sent:>9} {received:>9} {used:>8}"
+            if r.get("broken"):
+                line += f"  broken: {r['broken']}"
         click.echo(line)
 
 
@@ -140,13 +154,21 @@ def status_cmd(name: str) -> None:
     owner = f", owner pid {cl.owner}" if cl.owner else ""
     click.echo(f"cluster {name!r}: {len(cl.spec.nodes)} node(s), switch {cl.spec.bridge} "
                f"{cl.spec.host_address}{owner}; state in {cl.folder}")
-    _print_nodes(cl, lifecycle.node_status(cl))
+    rows = lifecycle.node_status(cl)
+    _print_nodes(cl, rows)
     if cl.spec.slurm:
         from hpctrain.cluster import slurmd
 
         states = slurmd.node_states(cl.folder / "slurm")
         click.echo(f"SLURM (SLURM_CONF={cl.slurm_conf}): " +
                    (", ".join(f"{k} {v}" for k, v in states.items()) or "not answering"))
+    broken = [r["node"] for r in rows if r.get("broken")]
+    if broken:
+        from hpctrain.cluster.system import ClusterError
+
+        raise ClusterError(f"node(s) {', '.join(broken)} of cluster {name!r} are broken (a "
+                           f"part was removed by hand): build it again with `hpctrain "
+                           f"cluster down --name {name}`, then `hpctrain cluster up`")
 
 
 @cluster.command("run", context_settings={"ignore_unknown_options": True})
@@ -198,9 +220,14 @@ def run_cmd(name, ranks_per_node, ranks, placement, mpiexec_path, dry_run, comma
 def exec_cmd(name, node, command) -> None:
     """Run COMMAND on NODE: in its cgroups, network namespace and host name.
 
+    COMMAND is a program and its arguments, as for ssh's remote command split into
+    words: a quoted line such as 'hostname; getent hosts x' is one program name. For a
+    shell line, run a shell: -- sh -c 'hostname; getent hosts x'.
+
     \b
-    Example:
+    Examples:
       hpctrain cluster exec hpct1 -- python -c "import socket; print(socket.gethostname())"
+      hpctrain cluster exec --name hpct hpct0 -- sh -c 'hostname; ip -brief addr'
     """
     from hpctrain.cluster import lifecycle
 

@@ -3,7 +3,9 @@
 A cluster named ``name`` keeps its state in ``/run/hpctrain/cluster-{name}/``
 (``state.json``, the launcher ``ssh``, the SLURM folder). ``/run`` is a tmpfs, so the
 state goes with a reboot, as the namespaces do. ``up`` and ``down`` hold a lock file
-beside it, so two of them never interleave.
+beside it, so two of them never interleave; ``up`` also holds ``up.lock``, so two
+``up``s of different names cannot both find the same subnet or host names free.
+A name that breaks the name rule is refused before any path is formed from it.
 
 ``up`` validates before it creates anything (the spec is checked when it is built;
 then root, the tools, the cgroup controllers, a free subnet and free names), records
@@ -11,7 +13,9 @@ then root, the tools, the cgroup controllers, a free subnet and free names), rec
 names, launcher, SLURM), and records ``up``. If building fails, what was made is
 removed before the error is raised. A cluster already up is refused, unless its
 owner (``--owner PID``, what tests pass) has died: that cluster is a leftover of a
-killed run, and ``up`` removes it first, as it does a half-built one.
+killed run, and ``up`` removes it first, as it does a half-built one. Interfaces or
+namespaces of the name without a state folder are not ``up``'s (it makes the folder
+before anything else and removes it last): it refuses, naming them.
 
 ``down`` removes everything of the name it is given, by name prefix, whether or not
 the state survived: processes inside the nodes, SLURM daemons, cgroups, namespaces,
@@ -37,10 +41,13 @@ from hpctrain.cluster.system import ClusterError, alive, require_root
 
 STATE_ROOT = Path("/run/hpctrain")
 TOOLS = ("ip", "tc", "nsenter", "unshare")
+UP_LOCK_WAIT_S = 300  # how long an `up` waits for another `up` on this machine to end
 
 
 def state_dir(name: str) -> Path:
-    return STATE_ROOT / f"cluster-{name}"
+    """The state folder of cluster ``name``; a name that breaks the name rule (such as
+    ``x/../../tmp``) is a ConfigError, so nothing outside STATE_ROOT is read or removed."""
+    return STATE_ROOT / f"cluster-{spec_mod.check_name(name)}"
 
 
 @dataclass(frozen=True)
@@ -78,13 +85,36 @@ class Cluster:
 
 @contextmanager
 def _locked(name: str) -> Iterator[None]:
+    """The cluster's own lock: an `up` or `down` of ``name`` refuses to interleave."""
+    lock = STATE_ROOT / f"cluster-{spec_mod.check_name(name)}.lock"
     STATE_ROOT.mkdir(parents=True, exist_ok=True)
-    with open(STATE_ROOT / f"cluster-{name}.lock", "w") as fh:
+    with open(lock, "w") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ClusterError(f"another `hpctrain cluster up` or `down` of cluster {name!r} "
                                f"is running") from None
+        yield
+
+
+@contextmanager
+def _machine_locked() -> Iterator[None]:
+    """One `up` at a time on this machine, whatever its name: its checks (a free subnet,
+    free host names) hold only if no other `up` builds between them and its own build."""
+    STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(STATE_ROOT / "up.lock", "w") as fh:
+        wait_s = UP_LOCK_WAIT_S
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"another `hpctrain cluster up` on this machine has "
+                                       f"held {STATE_ROOT / 'up.lock'} for {wait_s:.0f} s; "
+                                       f"try again when it has ended") from None
+                time.sleep(0.05)
         yield
 
 
@@ -106,8 +136,15 @@ def current(name: str = spec_mod.DEFAULT_NAME) -> Cluster:
     """The cluster ``name`` that is up, or a ClusterError saying how to start one."""
     state = _read_state(name)
     if state is None or state.get("status") != "up":
+        try:
+            found = leftovers(name)
+        except ClusterError:  # no `ip`: `up` says so
+            found = []
+        left = (f"; what there is of the name ({', '.join(found)}: a cluster not "
+                f"completed, or one being built now) is removed by "
+                f"`hpctrain cluster down --name {name}`" if found else "")
         raise ClusterError(f"no cluster {name!r} is up: start one with "
-                           f"`hpctrain cluster up` (as root)")
+                           f"`hpctrain cluster up` (as root){left}")
     return Cluster(spec_mod.build(state["spec"]), state_dir(name), state.get("owner"),
                    state.get("since", 0.0))
 
@@ -134,20 +171,33 @@ def preflight(spec: ClusterSpec) -> cpu.Cgroups:
     if clash:
         raise ClusterError(f"subnet ({spec.subnet}) overlaps this machine's address(es) "
                            f"{', '.join(clash)}: choose another with --subnet")
+    taken = net.hosts_in_use(spec)
+    if taken:
+        raise ClusterError(f"host name(s) of cluster {spec.name!r} are already in "
+                           f"{net.HOSTS}: {', '.join(taken)}; choose another --name")
     return cgroups
 
 
 def up(spec: ClusterSpec, *, owner: int | None = None, log=print) -> Cluster:
     """Build the cluster (root). See the module docstring for the rules."""
-    cgroups = preflight(spec)
+    require_root("hpctrain cluster up")
     name = spec.name
-    with _locked(name):
+    with _machine_locked(), _locked(name):
+        cgroups = preflight(spec)
         state = _read_state(name)
         if state and state.get("status") == "up" and _owner_alive(state):
             raise ClusterError(
                 f"cluster {name!r} is already up ({len(state['spec']['nodes'])} node(s)): "
                 f"`hpctrain cluster down --name {name}` removes it")
         found = leftovers(name)
+        if found and not state_dir(name).exists():
+            # no `up` of this name left them (it makes its state folder first and
+            # removes it last): they may be someone else's, so they stay
+            raise ClusterError(
+                f"{', '.join(found)} exist(s) but cluster {name!r} has no state in "
+                f"{state_dir(name)}: `up` removes only what an earlier `up` left. Choose "
+                f"another --name, or remove them (`hpctrain cluster down --name {name}` "
+                f"removes whatever bears the name)")
         if found:
             why = ("its owner (pid {}) has ended".format(state.get("owner"))
                    if state and state.get("status") == "up" else "it was not complete")
@@ -214,7 +264,7 @@ def known() -> list[str]:
             names.add(name)
     names.update(net.marked_hosts())
     names.update(top.name.removeprefix("hpctrain-") for top in _cgroup_tops("*"))
-    return sorted(names)
+    return sorted(n for n in names if spec_mod.is_name(n))  # no `up` made the others
 
 
 def _cgroup_tops(name: str) -> list[Path]:
@@ -262,11 +312,22 @@ def node_status(cluster: Cluster) -> list[dict]:
     cgroups = cpu.detect()
     rows = []
     for n in spec.nodes:
-        sent, received = net.link_bytes(spec, n)
+        missing = [] if (net.NETNS_DIR / spec.netns(n)).exists() else \
+            [f"namespace {spec.netns(n)}"]
+        try:
+            sent, received = net.link_bytes(spec, n)
+        except OSError:
+            sent = received = None
+            missing.append(f"link {spec.switch_port(n)}")
+        try:
+            used = cpu.usage_s(cgroups, spec, n)
+        except OSError:
+            used = None
+            missing.append(f"cgroup of {n.hostname}")
         rows.append({"node": n.hostname, "address": n.address,
                      "cpus": ",".join(map(str, n.cpus)) or "any", "cores": n.cpu_cores,
                      "link": spec_mod.format_rate(n.link_bps),
                      "processes": len(net.netns_pids(spec.netns(n))),
-                     "sent_bytes": sent, "received_bytes": received,
-                     "cpu_s": cpu.usage_s(cgroups, spec, n)})
+                     "sent_bytes": sent, "received_bytes": received, "cpu_s": used,
+                     "broken": f"{', '.join(missing)} missing" if missing else None})
     return rows

@@ -141,6 +141,23 @@ def marked_hosts() -> set[str]:
             if marker in line}
 
 
+def hosts_in_use(spec: ClusterSpec) -> list[str]:
+    """The cluster's host names that ``/etc/hosts`` already gives, outside this cluster's
+    own lines: node 0 of cluster "a1" and node 10 of cluster "a" are both "a10"."""
+    ours, marker = hosts_marker(spec.name), hosts_marker("")
+    wanted = {n.hostname for n in spec.nodes}
+    text = HOSTS.read_text() if HOSTS.exists() else ""
+    clash = []
+    for line in text.splitlines():
+        if line.rstrip().endswith(ours):
+            continue
+        fields = line.partition("#")[0].split()
+        whose = (f"cluster {line.rsplit(marker, 1)[1].strip()!r}" if marker in line
+                 else "/etc/hosts")
+        clash += [f"{host} ({fields[0]}, {whose})" for host in fields[1:] if host in wanted]
+    return clash
+
+
 def _without_marked(text: str, name: str) -> str:
     marker = hosts_marker(name)
     return "".join(line for line in text.splitlines(keepends=True)

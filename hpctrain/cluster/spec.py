@@ -31,6 +31,7 @@ Node ``k`` is host ``{name}{k}`` at address ``subnet[10 + k]``, in network names
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -48,6 +49,15 @@ CPU_LIMITS = ("cpuset", "quota")
 PERIOD_US = 10_000
 FIRST_NODE_HOST = 10  # node k's address is subnet[FIRST_NODE_HOST + k]
 MAX_NODES = 64
+MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota (cgroup v1 refuses less)
+# link rates tc's tbf shapes with the bucket ``net.tbf_args`` gives: below 1 kbit tc
+# shrinks the bucket under a packet (8 bit: 57 bytes), and at 17.2 tbit the 2 ms bucket
+# passes 4 GiB, which tc refuses ("illegal value for burst"); 1bit is 0 bytes/s to tc
+MIN_RATE_BPS = 10**3
+MAX_RATE_BPS = 10 * 10**12
+# RFC 1918: ipaddress.is_private also takes 0.0.0.0/8, 127/8, 169.254/16, 198.18/15, 240/4
+PRIVATE_NETWORKS = tuple(ipaddress.ip_network(n) for n in
+                         ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
 DEFAULT_NAME = "hpct"
 DEFAULT_SUBNET = "10.213.0.0/24"
 NODE_IFACE = "eth0"  # every node's end of its link has the same name (UCX_NET_DEVICES)
@@ -57,13 +67,32 @@ _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)(?:/s)?\s*$", re.IGNORECA
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 
 
+def is_name(name: Any) -> bool:
+    return isinstance(name, str) and bool(_NAME.match(name))
+
+
+def check_name(name: Any) -> str:
+    """``name`` if it is a cluster name, else a ConfigError naming the rule. Every
+    command checks it before using it: it becomes interface, namespace, cgroup and
+    host names and the state folder ``/run/hpctrain/cluster-{name}``."""
+    if not is_name(name):
+        raise ConfigError(f"name ({name!r}) must be 1 to 8 lowercase letters or digits, "
+                          f"starting with a letter (it prefixes interface names, which Linux "
+                          f"limits to 15 characters)")
+    return name
+
+
 def parse_rate(text: Any) -> int:
-    """A link rate such as '100mbit', '1gbit' or '2.5gbit' in bits per second."""
+    """A link rate such as '100mbit', '1gbit' or '2.5gbit' in bits per second, between
+    ``MIN_RATE_BPS`` and ``MAX_RATE_BPS`` (what tc's tbf shapes)."""
     m = _RATE.match(text) if isinstance(text, str) else None
     bps = round(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else 0
     if bps <= 0:
         raise ConfigError(f"link ({text!r}) must be a positive rate such as '100mbit' or "
                           f"'1gbit' (units: bit, kbit, mbit, gbit, tbit)")
+    if not MIN_RATE_BPS <= bps <= MAX_RATE_BPS:
+        raise ConfigError(f"link ({text!r}) must be between {format_rate(MIN_RATE_BPS)} and "
+                          f"{format_rate(MAX_RATE_BPS)} (the rates tc's tbf shaper takes)")
     return bps
 
 
@@ -90,7 +119,7 @@ class NodeSpec:
     @property
     def quota_us(self) -> int:
         """CFS quota per ``PERIOD_US``: cores * share of a period."""
-        return max(1000, round(self.cores * self.cpu_share * PERIOD_US))
+        return max(MIN_QUOTA_US, round(self.cores * self.cpu_share * PERIOD_US))
 
     @property
     def capped(self) -> bool:
@@ -172,10 +201,7 @@ def build(raw: dict[str, Any], machine_cores: int | None = None) -> ClusterSpec:
     known = {"name", "link", "subnet", "cpu_limit", "slurm", "slurm_cpus", "nodes"}
     unknown = sorted(set(raw) - known)
     _require(not unknown, f"unknown key(s) {unknown} in [cluster]; known: {sorted(known)}")
-    name = raw.get("name", DEFAULT_NAME)
-    _require(isinstance(name, str) and bool(_NAME.match(name)),
-             f"name ({name!r}) must be 1 to 8 lowercase letters or digits, starting with "
-             f"a letter (it prefixes interface names, which Linux limits to 15 characters)")
+    name = check_name(raw.get("name", DEFAULT_NAME))
     cpu_limit = raw.get("cpu_limit", "cpuset")
     _require(cpu_limit in CPU_LIMITS,
              f"cpu_limit ({cpu_limit!r}) must be one of {', '.join(CPU_LIMITS)}")
@@ -188,17 +214,11 @@ def build(raw: dict[str, Any], machine_cores: int | None = None) -> ClusterSpec:
     _require(isinstance(groups, list) and all(isinstance(g, dict) for g in groups),
              "[[cluster.nodes]] must be a list of tables")
     subnet_text = raw.get("subnet", DEFAULT_SUBNET)
-    try:
-        subnet = ipaddress.ip_network(subnet_text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"subnet ({subnet_text!r}) must be an IPv4 network such as "
-                          f"'{DEFAULT_SUBNET}'") from None
-    _require(subnet.version == 4 and subnet.is_private,
-             f"subnet ({subnet_text!r}) must be a private IPv4 network such as "
-             f"'{DEFAULT_SUBNET}'")
+    subnet = _subnet(subnet_text)
 
-    nodes: list[NodeSpec] = []
-    next_cpu = 0
+    # every group is checked, and the nodes counted, before any node is made: a count
+    # of 10**9 is refused at once instead of filling the memory
+    checked = []
     for g, group in enumerate(groups):
         where = f"[[cluster.nodes]] {g + 1}"
         bad = sorted(set(group) - {"count", "cores", "cpu_share", "link"})
@@ -212,7 +232,21 @@ def build(raw: dict[str, Any], machine_cores: int | None = None) -> ClusterSpec:
                  f"({machine_cores})")
         share = _number(f"{where}: cpu_share", group.get("cpu_share", 1.0), float)
         _require(0 < share <= 1, f"{where}: cpu_share ({share}) must be in (0, 1]")
+        # the quota is cores * share of a period, and the kernel takes no less than
+        # MIN_QUOTA_US: a smaller share would silently get more than it says
+        smallest = math.ceil(MIN_QUOTA_US / (cores * PERIOD_US) * 10**4) / 10**4
+        _require(round(cores * share * PERIOD_US) >= MIN_QUOTA_US,
+                 f"{where}: cpu_share ({share}) must be at least {smallest:g} for "
+                 f"{cores} core(s): the CPU quota cannot be below {MIN_QUOTA_US} us of "
+                 f"every {PERIOD_US} us")
         rate = parse_rate(group["link"]) if "link" in group else link
+        checked.append((count, cores, share, rate))
+    total = sum(count for count, *_ in checked)
+    _require(1 <= total <= MAX_NODES, f"nodes ({total}) must be between 1 and {MAX_NODES}")
+
+    nodes: list[NodeSpec] = []
+    next_cpu = 0
+    for count, cores, share, rate in checked:
         for _ in range(count):
             k = len(nodes)
             cpus = ()
@@ -220,14 +254,27 @@ def build(raw: dict[str, Any], machine_cores: int | None = None) -> ClusterSpec:
                 cpus = tuple(sorted((next_cpu + j) % machine_cores for j in range(cores)))
                 next_cpu = (next_cpu + cores) % machine_cores
             nodes.append(NodeSpec(k, f"{name}{k}", "", cores, share, cpus, rate))
-    _require(1 <= len(nodes) <= MAX_NODES,
-             f"nodes ({len(nodes)}) must be between 1 and {MAX_NODES}")
     _require(subnet.num_addresses >= FIRST_NODE_HOST + len(nodes) + 1,
              f"subnet ({subnet_text!r}) has {subnet.num_addresses} addresses; "
              f"{len(nodes)} node(s) need {FIRST_NODE_HOST + len(nodes) + 1}")
     nodes = [NodeSpec(n.index, n.hostname, str(subnet[FIRST_NODE_HOST + n.index]), n.cores,
                       n.cpu_share, n.cpus, n.link_bps) for n in nodes]
     return ClusterSpec(name, str(subnet), cpu_limit, slurm, tuple(nodes), slurm_cpus)
+
+
+def _subnet(text: Any) -> ipaddress.IPv4Network:
+    """The switch's network: a string naming an RFC 1918 IPv4 network."""
+    _require(isinstance(text, str),
+             f"subnet ({text!r}) must be a string such as '{DEFAULT_SUBNET}'")
+    try:
+        subnet = ipaddress.ip_network(text)
+    except ValueError as err:
+        raise ConfigError(f"subnet ({text!r}) must be an IPv4 network such as "
+                          f"'{DEFAULT_SUBNET}': {err}") from None
+    _require(subnet.version == 4 and any(subnet.subnet_of(p) for p in PRIVATE_NETWORKS),
+             f"subnet ({text!r}) must be a private IPv4 network such as '{DEFAULT_SUBNET}' "
+             f"(inside {', '.join(map(str, PRIVATE_NETWORKS))})")
+    return subnet
 
 
 def uniform(nodes: int, *, cores: int = 1, cpu_share: float = 1.0, link: str = "1gbit",

@@ -200,7 +200,10 @@ def test_a_node_at_half_share_gets_half_a_core():
             cores.append(used / (time.monotonic() - t0))
     print(f"cores used: full node {cores[0]:.2f}, half node {cores[1]:.2f}")
     assert cores[1] <= 0.55, cores
-    assert cores[0] >= 0.7, cores  # the full node was not capped (start-up takes a little)
+    # the full node was not capped: clearly more than the half node (a fixed 0.7 failed
+    # with other jobs on the machine's cores: 0.65 beside 0.49; on a machine whose cores
+    # are all taken, 0.57 beside 0.49, no cap can be seen and this fails as well)
+    assert cores[0] >= 1.25 * cores[1], cores
 
 
 def test_up_refuses_a_cluster_that_is_up_and_down_twice_is_harmless(cluster):
@@ -252,3 +255,58 @@ def test_bad_input_is_refused_before_anything_is_made(args, message):
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert lifecycle.leftovers("hpctbad") == []
     assert "hpctbad" not in Path("/etc/hosts").read_text()
+
+
+def test_up_refuses_host_names_another_cluster_holds():
+    """Cluster hpcthn's node 10 and cluster hpcthn1's node 0 are both 'hpcthn10': both
+    went into /etc/hosts, and the name found the other cluster's node."""
+    first = spec_mod.uniform(11, cores=1, link="1gbit", name="hpcthn", subnet="10.218.1.0/24")
+    with lifecycle.running(first):
+        result = cli("up", "--name", "hpcthn1", "--nodes", "1", "--subnet", "10.218.2.0/24")
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "host name(s) of cluster 'hpcthn1' are already in /etc/hosts: hpcthn10 " \
+            "(10.218.1.20, cluster 'hpcthn')" in result.stderr, result.stderr
+        assert not lifecycle.leftovers("hpcthn1")
+
+
+def test_up_leaves_an_interface_it_did_not_make():
+    """A bridge of the cluster's name that no `up` made (no state folder): `up` removed
+    it as 'what is left of an earlier cluster'; now it refuses and names it."""
+    subprocess.run(["ip", "link", "add", "hpctubr", "type", "bridge"], check=True)
+    try:
+        result = cli("up", "--name", "hpctu", "--nodes", "1", "--subnet", "10.218.3.0/24")
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "link hpctubr exist(s) but cluster 'hpctu' has no state" in result.stderr
+        assert subprocess.run(["ip", "link", "show", "hpctubr"],
+                              capture_output=True).returncode == 0  # still there
+    finally:
+        subprocess.run(["ip", "link", "del", "hpctubr"], capture_output=True)
+    assert not lifecycle.state_dir("hpctu").exists()
+
+
+def test_status_names_a_node_whose_link_is_gone():
+    """`status` of a cluster whose node link was deleted: a traceback before."""
+    spec = spec_mod.uniform(2, cores=1, link="1gbit", name="hpctst", subnet="10.218.4.0/24")
+    with lifecycle.running(spec):
+        subprocess.run(["ip", "link", "del", spec.switch_port(spec.nodes[0])], check=True)
+        result = cli("status", "--name", "hpctst")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        out = result.stdout + result.stderr
+        assert "broken: link hpctstv0 missing" in out, out
+        assert "`hpctrain cluster down --name hpctst`, then `hpctrain cluster up`" in out, out
+
+
+def test_one_up_at_a_time_on_this_machine(monkeypatch):
+    """Two `up`s of different names both found one subnet free and both built on it:
+    an `up` now holds /run/hpctrain/up.lock from its checks to the end of its build."""
+    import fcntl
+
+    monkeypatch.setattr(lifecycle, "UP_LOCK_WAIT_S", 0.5)
+    spec = spec_mod.uniform(1, cores=1, link="1gbit", name="hpctlk", subnet="10.218.5.0/24")
+    lifecycle.STATE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(lifecycle.STATE_ROOT / "up.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # another `up` is checking or building
+        with pytest.raises(lifecycle.ClusterError, match="another `hpctrain cluster up` on "
+                                                         "this machine"):
+            lifecycle.up(spec, log=lambda *a: None)
+    assert not lifecycle.leftovers("hpctlk")
