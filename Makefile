@@ -139,7 +139,7 @@ test-mpi: install
 	done
 
 # the clusters the suites build (tests/cluster, tests/slurm); removed after them, pass or fail
-TEST_CLUSTERS := hpctest hpctcpu hpctkill hpctbad hpctslm hpctpcal
+TEST_CLUSTERS := hpctest hpctcpu hpctkill hpctbad hpctslm hpctpcal hpcthn hpcthn1 hpctu hpctst hpctlk
 
 test-cluster: install ## MPI across emulated nodes, SLURM on two nodes (root; installs slurm)
 	@echo "== emulated cluster suite (tests/cluster, tests/slurm)"
