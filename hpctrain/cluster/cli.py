@@ -220,9 +220,9 @@ def run_cmd(name, ranks_per_node, ranks, placement, mpiexec_path, dry_run, comma
 def exec_cmd(name, node, command) -> None:
     """Run COMMAND on NODE: in its cgroups, network namespace and host name.
 
-    COMMAND is a program and its arguments, as for ssh's remote command split into
-    words: a quoted line such as 'hostname; getent hosts x' is one program name. For a
-    shell line, run a shell: -- sh -c 'hostname; getent hosts x'.
+    COMMAND is a program and its arguments, not a shell line (unlike ssh's remote
+    command): a quoted line such as 'hostname; getent hosts x' is one program name. For
+    a shell line, run a shell: -- sh -c 'hostname; getent hosts x'.
 
     \b
     Examples:
