@@ -11,19 +11,9 @@ from pathlib import Path
 
 import click
 
-from hpctrain import bench
+from hpctrain import bench, clitypes
 from hpctrain.config import ConfigError
 from hpctrain.runtime import EXIT_INTERRUPTED, EXIT_USER_ERROR
-
-
-def _find_mpiexec(given: str | None) -> str:
-    """``--mpiexec``, else the one beside this Python (the MPICH wheel's), else PATH's."""
-    from hpctrain.runtime import UserError, find_mpiexec
-
-    try:
-        return find_mpiexec(given)
-    except UserError as err:
-        raise click.BadParameter(str(err), param_hint="--mpiexec") from None
 
 
 class LayoutRefused(click.ClickException):
@@ -114,7 +104,7 @@ def bench_command(model: str, layouts: tuple[str, ...], data: str | None, steps:
     if not Path(data).is_file():
         raise click.BadParameter(f"{data} does not exist (prepare it with: make data)",
                                  param_hint="--data")
-    launcher = _find_mpiexec(mpiexec)
+    launcher = clitypes.launcher(mpiexec)
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -31,6 +31,7 @@ from typing import Any
 import click
 
 from hpctrain.clitypes import FiniteRange
+from hpctrain.cluster.system import alive
 from hpctrain.config import Config, ConfigError
 
 RTOL = {"float64": 1e-8, "float32": 1e-4}  # --rtol's default for each --dtype
@@ -188,21 +189,11 @@ def remove_abandoned(temp: str | Path | None = None) -> list[Path]:
     removed = []
     for path in sorted(Path(temp or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*")):
         pid = path.name[len(FOLDER_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)) or not path.is_dir():
+        if not pid.isdigit() or alive(int(pid)) or not path.is_dir():
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 @click.command("check", context_settings={"ignore_unknown_options": True})

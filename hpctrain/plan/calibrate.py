@@ -724,15 +724,12 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
       hpctrain calibrate --out c.toml --ranks-per-node 1,2,4 --messages 4KiB,1MiB,16MiB
       sudo hpctrain calibrate --out configs/clusters/emulated-2x1gbit.toml --emulated 2:1gbit
     """
-    from hpctrain.runtime import UserError, find_mpiexec
+    from hpctrain.clitypes import launcher as launcher_of
 
     if messages is not None and len(messages) < 2:
         raise click.BadParameter(f"{','.join(map(str, messages))}: fitting latency and "
                                  f"bandwidth needs two or more sizes", param_hint="--messages")
-    try:
-        launcher = find_mpiexec(mpiexec)
-    except UserError as err:
-        raise click.BadParameter(str(err), param_hint="--mpiexec") from None
+    launcher = launcher_of(mpiexec)
     check_output(Path(out))  # before minutes of measurement
     if emulated:
         from hpctrain.plan import emulated as emu

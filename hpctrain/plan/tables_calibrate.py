@@ -514,13 +514,10 @@ def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fil
       hpctrain calibrate-tables --config configs/dlrm-movielens.toml \\
           --hashed-rows 10000000 --ranks 2,4
     """
+    from hpctrain.clitypes import launcher
     from hpctrain.plan.calibrate import check_output
-    from hpctrain.runtime import UserError, find_mpiexec
 
-    try:  # the default was PATH's mpiexec, maybe of another MPI than this mpi4py's
-        mpiexec = find_mpiexec(mpiexec)
-    except UserError as err:
-        raise click.BadParameter(str(err), param_hint="--mpiexec") from None
+    mpiexec = launcher(mpiexec)  # the default was PATH's: maybe another MPI than mpi4py's
     check_output(Path(out))  # before the jobs
     optimizer = optimizer or _optimizer(config_path)
     argv = ["--config", config_path, "--hashed-rows", str(hashed_rows), "--batch",
