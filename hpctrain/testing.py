@@ -155,6 +155,27 @@ def tiny_corpus_config(folder, config_template: str, line: str, lines: int):
     return cfg
 
 
+def tiny_dlrm_config(path, ratings, train: str):
+    """A TOML config ``path`` of a tiny DLRM (embedding width 4) on the ratings file
+    ``ratings``, one table per feature the file lists, ``train`` as its ``[train]``
+    lines. Returns the path."""
+    import json
+    from pathlib import Path
+
+    import h5py
+
+    with h5py.File(ratings, "r") as f:
+        features = json.loads(f.attrs["features"])
+    tables = ", ".join(f'{{name = "{f["name"]}", rows = {f["rows"]}, width = {f["width"]}}}'
+                       for f in features)
+    path = Path(path)
+    path.write_text(f'[model]\nkind = "dlrm"\ntables = [{tables}]\nembed_dim = 4\n'
+                    f'bottom_mlp = [4]\ntop_mlp = [4]\ndense_features = ["age", "year"]\n'
+                    f'rating_min = 1.0\nrating_max = 5.0\n'
+                    f'[train]\n{train}\n[data]\npath = "{ratings}"\n')
+    return path
+
+
 def run_train(ranks: int, config, run_dir, *flags: str, timeout: float = 120,
               env: dict | None = None):
     """``mpiexec -n ranks python -m hpctrain.cli train --config C --run-dir D FLAGS``

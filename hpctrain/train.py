@@ -402,7 +402,8 @@ def _write_trace(cfg: Config, comm, topo: Topology, tracer, path: str, writer) -
 
 def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = None,
           reset_schedule: bool = False, trace_path: str | None = None,
-          after_step: Callable[[], dict[str, Any]] | None = None) -> Summary:
+          after_step: Callable[[], dict[str, Any]] | None = None,
+          resume_hint: str = "--resume auto") -> Summary:
     """Train on every rank of ``comm`` with a config already validated for its size.
 
     ``resume``: "auto" (the run's latest checkpoint, if any) or a checkpoint path; the
@@ -413,6 +414,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ranks of each trace category's seconds (``hpctrain.trace.CATEGORIES``).
     ``after_step``: called on every rank after each step, outside its timing (the
     benchmark measures the GEMM rate there); rank 0's dict joins the step's record.
+    ``resume_hint``: how the command that called this continues a run a signal
+    stopped (its line after the checkpoint names it).
     """
     startup_check(comm, lambda: _check_outputs(cfg, resume, trace_path)
                   if comm.Get_rank() == 0 else None)
@@ -459,7 +462,7 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
             _announce(writer, cfg, comm, topo, nodes, threads, engine, dp, resumed, sched)
 
     loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, trace_path,
-                 after_step)
+                 after_step, resume_hint)
     if resumed is not None and loop.shares is not None:
         loop.shares.load_state(resumed.meta.get("shares"))
     if resumed is not None:
@@ -539,11 +542,12 @@ class _Loop:
     metrics writer (None elsewhere)."""
 
     def __init__(self, cfg: Config, comm, topo: Topology, engine, dp, loader, writer,
-                 quiet: bool, sched: dict, trace_path: str | None, after_step):
+                 quiet: bool, sched: dict, trace_path: str | None, after_step,
+                 resume_hint: str = "--resume auto"):
         t = cfg.train
         self.cfg, self.comm, self.topo, self.engine, self.dp = cfg, comm, topo, engine, dp
         self.loader, self.writer, self.quiet, self.sched = loader, writer, quiet, sched
-        self.after_step = after_step
+        self.after_step, self.resume_hint = after_step, resume_hint
         self.tokens_per_step = t.batch_size * _tokens_per_sample(cfg)
         self.losses: list[float] = []
         self.val_losses: list[float] = []
@@ -672,7 +676,7 @@ class _Loop:
         if self.writer is not None:
             what = "checkpoint saved" if saved else "no checkpoint (the state is not finite)"
             self.writer.say(f"{_stopped_by(stop)} after step {step}: {what}; resume with "
-                            f"--resume auto")
+                            f"{self.resume_hint}")
 
     def stop_at_start(self, stop: int) -> None:
         """A signal came during start-up: stop before the first step, with nothing to

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hpctrain import preempt
 from hpctrain.metrics import read_metrics
-from hpctrain.testing import mpiexec, tiny_corpus_config
+from hpctrain.testing import mpiexec, tiny_corpus_config, tiny_dlrm_config
 
 CONFIG = """
 [model]
@@ -265,3 +265,87 @@ def test_under_open_mpi_5_a_stop_longer_than_its_fixed_quarter_second_names_sigu
     assert "odls_base_sigkill_timeout" not in note  # no such setting there
     assert preempt.stop_time_note(0.4, 0.3, {**PRRTE, "SLURM_JOB_ID": "7"}) is None
     assert preempt.stop_time_note(0.4, 0.3, {**ORTE, "SLURM_JOB_ID": "7"}) is None
+
+
+# ---------------------------------------------------------------------------------
+# hpctrain cv: a signal stops the fold in training with a checkpoint; --resume goes on
+
+
+def cv_config(tmp_path, ratings_h5) -> Path:
+    return tiny_dlrm_config(tmp_path / "dlrm.toml", ratings_h5,
+                            "steps = 300\nbatch_size = 8\neval_interval = 300")
+
+
+def launch_cv(config, run_dir, *extra):
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain.cli", "cv", "--config",
+           str(config), "--folds", "2", "--run-dir", str(run_dir), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=as_from_a_terminal)
+
+
+def test_cv_stopped_in_a_fold_resumes_there_and_ends_with_the_uninterrupted_rmse(
+        tmp_path, ratings_h5):
+    import json
+
+    config = cv_config(tmp_path, ratings_h5)
+    job = launch_cv(config, tmp_path / "cv")
+    fold1 = tmp_path / "cv" / "fold1" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (fold1.exists() and len(read_metrics(fold1)) >= 5):
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # to mpiexec, which forwards it to every rank
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == preempt.EXIT_PREEMPTED, err  # before: it trained on, unsaved
+    assert "fold 0: RMSE" in out and "preempted (SIGUSR1) after step" in out, out
+    assert "resume with --resume\n" in out and "stopped in fold 1" in out, out
+    stopped = read_metrics(fold1)[-1]["step"]
+    assert 5 <= stopped < 300 and not (tmp_path / "cv" / "cv.json").exists()
+
+    again = launch_cv(config, tmp_path / "cv", "--resume")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert "--resume: 1 fold(s) finished earlier" in out and "(finished earlier)" in out, out
+
+    reference = launch_cv(config, tmp_path / "ref")
+    _, err = reference.communicate(timeout=120)
+    assert reference.returncode == 0, err
+    got = json.loads((tmp_path / "cv" / "cv.json").read_text())
+    want = json.loads((tmp_path / "ref" / "cv.json").read_text())
+    assert got["rmse"] == want["rmse"] and got["earlier"] == [0]
+    assert [r["loss"] for r in read_metrics(fold1) if "loss" in r] == \
+        [r["loss"] for r in read_metrics(tmp_path / "ref" / "fold1" / "metrics.jsonl")
+         if "loss" in r]
+
+
+def test_cv_refuses_before_any_fold_a_resume_of_another_config_or_an_overwrite(
+        tmp_path, ratings_h5):
+    from click.testing import CliRunner
+
+    from hpctrain.cli import main
+
+    config = cv_config(tmp_path, ratings_h5)
+    run_dir = tmp_path / "cv"
+    args = ["cv", "--config", str(config), "--folds", "2", "--run-dir", str(run_dir),
+            "--steps", "3"]
+    config.write_text(config.read_text().replace("eval_interval = 300",
+                                                 "eval_interval = 3\nsave_interval = 3"))
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    fold0 = (run_dir / "fold0" / "metrics.jsonl").read_bytes()
+    # a fresh cv would overwrite fold 0's checkpoints: refused at once, not at fold 0's turn
+    bad = CliRunner().invoke(main, args)
+    assert bad.exit_code == 2 and f"{run_dir / 'fold0'} holds fold 0's checkpoints from an " \
+        "earlier cross-validation (latest: step-000003): continue it with --resume" \
+        in bad.output, bad.output
+    # --resume of a run made with other steps
+    bad = CliRunner().invoke(main, [*args[:-1], "4", "--resume"])
+    assert bad.exit_code == 2 and "fold 0's earlier run had another config " \
+        "(train.steps (3, not 4))" in bad.output, bad.output
+    assert (run_dir / "fold0" / "metrics.jsonl").read_bytes() == fold0
+    # the same config: both folds read, nothing trained
+    same = CliRunner().invoke(main, [*args, "--resume"])
+    assert same.exit_code == 0, same.output
+    assert same.output.count("(finished earlier)") == 2, same.output
+    assert (run_dir / "fold0" / "metrics.jsonl").read_bytes() == fold0

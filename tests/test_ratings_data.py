@@ -385,16 +385,10 @@ def test_training_on_ids_beyond_a_table_is_one_line_on_every_rank(ratings_h5, tm
 
 def test_cv_trains_each_fold_and_reports_the_rmse_of_its_val_mse(ratings_h5, tmp_path):
     from hpctrain.cli import main
+    from hpctrain.testing import tiny_dlrm_config
 
-    features = json.loads(h5py.File(ratings_h5, "r").attrs["features"])
-    tables = ", ".join(f'{{name = "{f["name"]}", rows = {f["rows"]}, width = {f["width"]}}}'
-                       for f in features)
-    config = tmp_path / "dlrm.toml"
-    config.write_text(f'[model]\nkind = "dlrm"\ntables = [{tables}]\nembed_dim = 4\n'
-                      f'bottom_mlp = [4]\ntop_mlp = [4]\ndense_features = ["age", "year"]\n'
-                      f'rating_min = 1.0\nrating_max = 5.0\n'
-                      f'[train]\nsteps = 3\nbatch_size = 8\neval_interval = 3\n'
-                      f'[data]\npath = "{ratings_h5}"\n')
+    config = tiny_dlrm_config(tmp_path / "dlrm.toml", ratings_h5,
+                              "steps = 3\nbatch_size = 8\neval_interval = 3")
     run_dir = tmp_path / "cv"
     result = CliRunner().invoke(main, ["cv", "--config", str(config), "--folds", "3",
                                        "--run-dir", str(run_dir)])
