@@ -334,6 +334,14 @@ def _wait_for_save(background, writer) -> bool:
     return True
 
 
+def sequence_parallel_warning(par, tp: int) -> str | None:
+    """Sequence parallelism asked for where it does nothing (one rank a tensor group)."""
+    if par.sequence_parallel and tp == 1:
+        return ("warning: sequence parallelism shards the activations over the tensor-"
+                "parallel group; at tp 1 it changes nothing (give --tp 2 or more)")
+    return None
+
+
 def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, engine, dp,
               resumed, sched: dict) -> None:
     """Rank 0's opening lines: the layout, the memory, warnings, what was resumed."""
@@ -351,7 +359,8 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
                f"{mem['param_bytes'] / 2**20:.1f} MiB, gradients "
                f"{mem['grad_bytes'] / 2**20:.1f} MiB{extra}, optimizer state "
                f"{mem['optim_bytes'] / 2**20:.1f} MiB")
-    for warning in (tensor_group_warning(nodes, topo.shape.tp), blas_spin_warning(threads)):
+    for warning in (tensor_group_warning(nodes, topo.shape.tp), blas_spin_warning(threads),
+                    sequence_parallel_warning(cfg.parallel, topo.shape.tp)):
         if warning:
             writer.say(warning)
     if resumed is not None:

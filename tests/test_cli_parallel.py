@@ -79,3 +79,14 @@ def test_train_dp_2_hierarchical_matches_serial(config_file, serial):
     assert_same_curves(run(config_file, 2, *flags), serial, flags)
     saved = json.loads((run_dir_of(config_file, 2, *flags) / "config.json").read_text())
     assert saved["parallel"]["dp_reduce"] == "hierarchical"
+
+
+def test_sequence_parallelism_at_tp_1_is_named_as_changing_nothing(config_file):
+    # it was taken silently: a user who asked for it saw no saving and no reason
+    run_dir = run_dir_of(config_file, 1, "--sequence-parallel")
+    result = run_train(1, config_file, run_dir, "--sequence-parallel", "--steps", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("warning: sequence parallelism shards the activations over "
+                               "the tensor-parallel group; at tp 1 it changes nothing") == 1
+    plain = run_train(1, config_file, run_dir_of(config_file, 1, "x"), "--steps", "1")
+    assert plain.returncode == 0 and "sequence parallelism" not in plain.stdout
