@@ -103,6 +103,9 @@ def inspect(checkpoint: str, tensors: bool, as_json: bool) -> None:
         click.echo(f"  schedule {json.dumps(idx.meta.get('schedule'))}")
         if idx.meta.get("precision") is not None:  # the stored tensors' dtypes are below
             click.echo(f"  precision {json.dumps(idx.meta['precision'])}")
+        for key in ("averaging", "shares"):  # what a resume must match, or takes back
+            if idx.meta.get(key) is not None:
+                click.echo(f"  {key} {json.dumps(idx.meta[key])}")
         loader = idx.meta.get("loader") or {}
         click.echo(f"  loader step {loader.get('step')}")
         if tensors:

@@ -211,7 +211,9 @@ def _int_list(value: str, name: str) -> list[int]:
               help="Continue from a checkpoint: 'auto' is RUN_DIR/checkpoints/latest (or a "
                    "fresh start if there is none); PATH a run, checkpoints or step folder, "
                    "or a consolidated file. Any parallel layout loads it (a run with "
-                   "--averaging other than sync: only the same averaging and dp).")
+                   "--averaging other than sync: only the same averaging and dp, shares "
+                   "equal or not as saved, and post_local no --sync-steps beyond the "
+                   "saved step once local).")
 @click.option("--reset-schedule", is_flag=True,
               help="With --resume: follow the config's learning-rate schedule (lr, min_lr, "
                    "warmup_steps, steps) instead of the one saved in the checkpoint, e.g. a "

@@ -21,6 +21,7 @@ import numpy as np
 
 from hpctrain import preempt, trace, watchdog
 from hpctrain.checkpoint.background import BackgroundWriter
+from hpctrain.checkpoint.format import INDEX_NAME
 from hpctrain.checkpoint.retention import NO_PRUNING, Retention
 from hpctrain.checkpoint.state import schedule_of
 from hpctrain.checkpoint.training import checkpoint_root
@@ -144,7 +145,7 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
     """
     if hasattr(dp, "local_round"):  # throughput-weighted local SGD: a round of steps
         return dp.local_round(engine, x, y, lr=lr, grad_clip=grad_clip, guard=guard,
-                              step=step, share=share)
+                              step=step, share=share, before_update=before_update)
     with trace.span("zero_grad", "optimizer"):
         dp.zero_grad()
     # the gradient of loss / dp (b_r / B with unequal shares): summed over the data group
@@ -309,11 +310,15 @@ def _save(cfg: Config, topo: Topology, engine, dp, loader, step: int, sched: dic
     return path
 
 
-def _healthy(path: Path | None) -> str:
-    """The end of a divergence message: where ``--resume auto`` continues from."""
+def _healthy(path: Path | None, retention: Retention) -> str:
+    """The end of a divergence message: where to continue from."""
     if path is None:
         return (" (no checkpoint of this run was followed by a finite step: start afresh "
                 "with a lower learning rate)")
+    if not retention.holds(path):  # the checkpoint resumed from, outside the run's folder
+        return (f" ({path}, which this run resumed from, is the newest checkpoint whose next "
+                f"step was finite; it is not in {retention.root}, so 'latest' cannot name "
+                f"it: continue with --resume {path} instead of --resume auto)")
     return f" ({path} is the newest checkpoint whose next step was finite; 'latest' names it)"
 
 
@@ -473,7 +478,11 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, trace_path,
                  after_step, resume_hint)
     if resumed is not None and loop.shares is not None:
-        loop.shares.load_state(resumed.meta.get("shares"))
+        saved = resumed.meta.get("shares")
+        why = loop.shares.load_state(saved)
+        if why is not None and writer is not None and not quiet:
+            writer.say(f"note: the checkpoint's batch shares {saved['shares']} do not fit "
+                       f"this run ({why}): equal shares until they are measured again")
     if resumed is not None:
         loop.precision.load_state(resumed.meta.get("precision"))
     early = preempt.agreed(comm)  # signalled while the data, model or checkpoint loaded
@@ -481,7 +490,9 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         # before the first step; or a checkpoint with no step left to train: evaluate it
         loop.evaluate(first - 1, val, {"step": first - 1}, alone=True)
     if resumed is not None:
-        loop.retention.saved(resumed.path.parent)  # pending until its first step is finite
+        # pending until its first step is finite: the step folder, or the consolidated file
+        loop.retention.saved(resumed.path.parent if resumed.path.name == INDEX_NAME
+                             else resumed.path)
     trace.align_origin(comm, loop.tracer)
     start = time.perf_counter()
     stop, step = 0, first - 1
@@ -599,7 +610,7 @@ class _Loop:
                         scaler=self.precision.scaler)
                 except DivergenceError as err:  # every rank: keep the healthy checkpoint
                     self.wait_for_save()
-                    where = _healthy(self.retention.diverged())
+                    where = _healthy(self.retention.diverged(), self.retention)
                     raise DivergenceError(f"{err}{where}") from None
             self.tracer.step = None
         if not self.guard.skipped_last:

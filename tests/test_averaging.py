@@ -8,7 +8,7 @@ import pytest
 from hpctrain.config import Config, ConfigError, ParallelConfig, TrainConfig
 from hpctrain.data import DataError, open_loader
 from hpctrain.parallel.averaging import Schedule, ring_bytes
-from hpctrain.parallel.shares import offsets, proportional
+from hpctrain.parallel.shares import ShareBalancer, misfit, offsets, proportional
 
 
 def test_when_each_strategy_meets():
@@ -83,6 +83,56 @@ def test_a_share_outside_the_global_batch_is_refused(tmp_path, datasets):
         with pytest.raises(DataError, match=r"samples \[10, 14\) must lie in the global "
                                             r"batch of 12"):
             loader.set_share(10, 4)
+
+
+class Group:
+    """Rank ``rank`` of a data group of ``size`` (what ``ShareBalancer`` asks before a
+    step)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's name)
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+
+class Reader:
+    """A loader that keeps the samples ``set_share`` gave it."""
+
+    samples = None
+
+    def set_share(self, offset: int, count: int) -> None:
+        self.samples = range(offset, offset + count)
+
+
+@pytest.mark.parametrize("dp,microbatches,fits", [
+    (2, 1, True),
+    (1, 1, False),  # the checkpoint of 2 ranks resumed on one: 66 of the 128 samples
+    (4, 1, False),  # on 4: ranks 2 and 3 had no share
+    (2, 4, False),  # 4 microbatches do not split 66 samples
+])
+def test_measured_shares_resume_only_where_they_fit(dp, microbatches, fits):
+    """A checkpoint loads at any dp and microbatches; its measured shares are taken back
+    only where they fit, else every rank starts from equal shares: either way the ranks
+    read the whole global batch, each sample once."""
+    par = ParallelConfig(shares="measured", microbatches=microbatches)
+    saved = {"shares": [66, 62]}
+    read, taken = [], []
+    for rank in range(dp):
+        reader = Reader()
+        balancer = ShareBalancer(par, 128, Group(rank, dp), reader)
+        why = balancer.load_state(saved)
+        taken.append(why is None)
+        read += list(reader.samples)
+    assert sorted(read) == list(range(128))
+    assert taken == [fits] * dp
+    assert misfit((66, 62), 2, 128, 1) is None
+    assert misfit((66, 62), 1, 128, 1) == "2 shares for dp 1"
+    assert misfit((66, 62), 2, 120, 1) == "they sum to 128, not batch_size 120"
+    assert misfit((66, 62), 2, 128, 4) == "not each a positive multiple of 4"
 
 
 def cfg(**par) -> Config:

@@ -37,8 +37,9 @@ from hpctrain.checkpoint.reshard import (
     tiles,
 )
 from hpctrain.checkpoint.state import held_tensors, restore_rng, rng_states
+from hpctrain.checkpoint.training import config_hint
 from hpctrain.cli import main
-from hpctrain.config import Config, ModelConfig, TrainConfig
+from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.shards import take_shard
 from hpctrain.parallel.topology import Topology
@@ -334,13 +335,26 @@ def test_a_checkpoint_file_another_process_writes_is_named_as_locked_not_corrupt
                    r"model built from the config has \(16, 32\).*d_ff 0 \(checkpoint\) vs 32"),
     ({"n_layer": 1}, r"holds 36 tensor\(s\) the model built from the config lacks, e.g. "
                      r"model/blocks.1"),
-    ({"n_layer": 3}, r"has no tensor model/blocks.2.ln1.weight"),
+    ({"n_layer": 3}, r"has no tensor model/blocks.2.ln1.weight \(\d+ tensors\); the model "
+                     r"config differs: n_layer 2 \(checkpoint\) vs 3 \(config\)"),
     ({"dtype": "float32"}, r"tensor model/embed.wte.weight is float64, the model is float32"),
 ])
 def test_a_model_that_does_not_fit_names_the_tensor(saved, tmp_path, change, message):
     _, path, _ = saved
     with pytest.raises(CheckpointError, match=message):
         Serial(make_cfg(tmp_path, **change)).load(path)
+
+
+def test_the_hint_names_a_change_of_pipeline_training():
+    """Local pipeline training adds auxiliary heads: a checkpoint of one resumed with
+    the other lacks or holds their tensors, and the message says why."""
+    local = Config(model=ModelConfig(kind="mlp"),
+                   parallel=ParallelConfig(pp=2, pipeline_training="local"))
+    saved = replace(local, parallel=replace(local.parallel, pipeline_training="backprop"))
+    assert config_hint(saved.to_dict(), local) == (
+        "; pipeline_training 'backprop' (checkpoint) vs 'local' (config): local training's "
+        "auxiliary heads (aux_heads.*) are parameters of their own")
+    assert config_hint(local.to_dict(), local) == ""
 
 
 def test_another_optimizer_is_refused(saved, tmp_path):

@@ -45,9 +45,11 @@ MODEL = ModelConfig(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32, d
 class Run:
     """A serial engine with a background writer, trained on random batches."""
 
-    def __init__(self, tmp_path, overlap: bool = False):
-        self.cfg = Config(model=MODEL, train=TrainConfig(batch_size=4, keep_checkpoints=5,
-                                                         run_dir=str(tmp_path))).validate(1)
+    def __init__(self, tmp_path, overlap: bool = False, model: ModelConfig = MODEL,
+                 parallel: ParallelConfig | None = None):
+        self.cfg = Config(model=model, parallel=parallel or ParallelConfig(),
+                          train=TrainConfig(batch_size=4, keep_checkpoints=5,
+                                            run_dir=str(tmp_path))).validate(1)
         self.topo = Topology.build(MPI.COMM_SELF, self.cfg.parallel)
         self.engine = build_engine(self.cfg, self.topo)
         self.dp = make_data_parallel(self.cfg, self.engine, self.topo)
@@ -55,7 +57,10 @@ class Run:
         self.rng = np.random.default_rng(0)
 
     def step(self) -> None:
-        x, y = (self.rng.integers(0, 32, (4, 8)) for _ in range(2))
+        if self.cfg.model.kind == "cnn":  # (B, pixels) in [0, 1], classes
+            x, y = self.rng.random((4, self.cfg.model.input_dim)), self.rng.integers(0, 3, 4)
+        else:
+            x, y = (self.rng.integers(0, 32, (4, 8)) for _ in range(2))
         train_step(self.engine, self.dp, x, y, lr=1e-2, grad_clip=1.0,
                    before_update=self.background.captured)
 
@@ -67,7 +72,8 @@ class Run:
                              loader_state={"step": step}, background=self.background, **kw)
 
     def loaded(self, path) -> dict[str, np.ndarray]:
-        fresh = Run(Path(self.cfg.train.run_dir) / "fresh")
+        fresh = Run(Path(self.cfg.train.run_dir) / "fresh", model=self.cfg.model,
+                    parallel=self.cfg.parallel)
         load_training(path, fresh.cfg, fresh.topo, fresh.engine, fresh.dp)
         return fresh.held()
 
@@ -182,6 +188,30 @@ def test_the_update_waits_for_the_snapshot_taken_beside_forward_and_backward(tmp
     before = run.background.capture_wait_s
     run.step()  # with overlap its update waits in before_update
     assert (run.background.capture_wait_s - before > 0.1) == overlap
+    assert not same(run.held(), at_save)
+    assert run.background.wait() == path
+    assert same(run.loaded(path), at_save)
+    writer.wait_for_pruning()
+
+
+@pytest.mark.parametrize("what", ["weighted local SGD", "BatchNorm"])
+def test_what_the_next_step_changes_before_its_update_is_saved_as_it_was(tmp_path, what):
+    """Weighted local SGD updates inside its round (a local step a unit), and the CNN's
+    forward moves BatchNorm's running statistics: with a snapshot slower than either,
+    the checkpoint still holds the state of the save call."""
+    if what == "BatchNorm":
+        run = Run(tmp_path, overlap=True, model=ModelConfig(kind="cnn", input_dim=64,
+                                                            channels=(4,), n_classes=3,
+                                                            dtype="float64"))
+    else:
+        run = Run(tmp_path, overlap=True, parallel=ParallelConfig(
+            averaging="periodic", average_every=2, shares="fixed", batch_shares=(4,),
+            microbatches=2))
+    run.background = SlowSnapshot(run.topo.ckpt_comm, overlap=True)
+    run.step()
+    at_save = run.held()
+    path = run.save(1)
+    run.step()
     assert not same(run.held(), at_save)
     assert run.background.wait() == path
     assert same(run.loaded(path), at_save)

@@ -4,6 +4,7 @@ checkpoint with a file HDF5 cannot open, ``inspect`` of a file that is no checkp
 Serial, without mpiexec."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,17 @@ def test_inspect_of_a_file_that_is_not_hdf5_says_so_without_the_remedy(checkpoin
     single.write_bytes(single.read_bytes()[:4096])
     code, out = ckpt("inspect", single)
     assert code == 2 and "cannot be read as HDF5" in out and fmt.REMEDY in out
+
+
+def test_inspect_shows_the_averaging_and_the_shares_a_resume_needs(tmp_path):
+    """A run with averaging other than sync resumes only with the same strategy and
+    dp, at its position in the period; measured shares come back: inspect shows both."""
+    cfg = make_cfg(tmp_path)
+    cfg = replace(cfg, parallel=replace(cfg.parallel, averaging="diloco", average_every=3))
+    run = Serial(cfg.validate(1)).train(2)
+    path = run.save(2, extra={"shares": {"shares": [4]}})
+    code, out = ckpt("inspect", path, "--no-tensors")
+    assert code == 0, out
+    assert ('  averaging {"dp": 1, "every": 3, "strategy": "diloco", "sync_steps": 0, '
+            '"t": 2, "weighted": false}') in out.splitlines()
+    assert '  shares {"shares": [4]}' in out.splitlines()

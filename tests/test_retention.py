@@ -65,6 +65,26 @@ def test_divergence_points_latest_back_at_the_confirmed_checkpoint(tmp_path):
     assert Retention(tmp_path / "none", keep=1, writes=True).diverged() is None
 
 
+@pytest.mark.parametrize("kind", ["step folder", "consolidated file"])
+def test_divergence_after_a_resume_from_outside_the_run_leaves_latest_alone(tmp_path, kind):
+    """A run resumed from another run's checkpoint (or a consolidated file) diverges
+    before its own first checkpoint is confirmed: the healthy one is outside its folder,
+    which 'latest' cannot name; pointing it there broke --resume auto."""
+    if kind == "step folder":
+        elsewhere = checkpoint(tmp_path / "other" / "checkpoints", 5)
+    else:
+        elsewhere = tmp_path / "other.h5"
+        elsewhere.write_bytes(b"")
+    root = tmp_path / "run" / "checkpoints"
+    r = Retention(root, keep=1, writes=True)
+    r.saved(elsewhere)  # what the run resumed from
+    r.finite_step(2.0)
+    r.saved(checkpoint(root, 6), loss=2.0)
+    assert r.diverged() == elsewhere and not r.holds(elsewhere)
+    assert (root / LATEST_NAME).read_text().strip() == "step-000006"
+    assert r.holds(root / "step-000006")
+
+
 def test_only_the_writing_rank_touches_the_folder_and_keep_is_checked(tmp_path):
     r = Retention(tmp_path, keep=1, writes=False)
     for s in (1, 2, 3):

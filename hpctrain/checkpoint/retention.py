@@ -12,7 +12,9 @@ training goes on, and the next checkpoint is judged by its own next step. A run
 that diverges right after a save therefore still has the confirmed checkpoint
 before it, whatever ``--keep`` is, and ``diverged()`` points ``latest`` back at it,
 so that ``--resume auto`` (with a lower learning rate and ``--reset-schedule``)
-continues from a healthy state.
+continues from a healthy state. The checkpoint a run resumed from may lie outside its
+folder (another run's, or a consolidated file): ``latest`` cannot name it, and is left
+as it is (the caller names the path to resume from).
 
 Only rank 0 touches the folder. A checkpoint written in the background is confirmed
 only once it is complete (its index exists), so pruning never runs ahead of it.
@@ -44,7 +46,8 @@ class Retention:
     def saved(self, path: Path | None, loss: float | None = None) -> None:
         """A checkpoint was written (or started in the background) at ``path`` after a
         step of loss ``loss``; also the checkpoint a run resumed from (``loss``
-        unknown: its first finite step confirms it)."""
+        unknown: its first finite step confirms it), a step folder or a consolidated
+        file, in this run's folder or not."""
         if path is not None:
             self.pending, self.pending_loss = Path(path), loss
 
@@ -52,7 +55,7 @@ class Retention:
         """A step updated with finite values and loss ``loss``: confirm the pending
         checkpoint (once complete, and if ``loss`` is no spike) and prune to
         ``keep``; returns the folders removed."""
-        if self.pending is None or not (self.pending / INDEX_NAME).is_file():
+        if self.pending is None or not _complete(self.pending):
             return []
         ref = self.pending_loss
         if ref is not None and loss > max(SPIKE * ref, ref + 1.0):
@@ -74,9 +77,19 @@ class Retention:
         """The run stopped diverged: point ``latest`` at the newest confirmed
         checkpoint if a newer, unconfirmed one took it; return the confirmed one
         (None: no checkpoint of this run was followed by a finite step)."""
-        if self.confirmed is None or not (self.confirmed / INDEX_NAME).is_file():
+        if self.confirmed is None or not _complete(self.confirmed):
             return None
-        if self.writes and self.pending is not None:
+        if self.writes and self.pending is not None and self.holds(self.confirmed):
             with atomic_output(self.root / LATEST_NAME, force=True) as pointer:
                 pointer.write_text(self.confirmed.name + "\n")
         return self.confirmed
+
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` is a step folder of this run's folder (``latest`` can name
+        it)."""
+        return path.parent.resolve() == self.root.resolve()
+
+
+def _complete(path: Path) -> bool:
+    """A step folder whose index is written, or a consolidated file."""
+    return (path / INDEX_NAME).is_file() or path.is_file()

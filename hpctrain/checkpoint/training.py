@@ -39,6 +39,7 @@ from hpctrain.checkpoint.format import (
 )
 from hpctrain.checkpoint.reader import Checkpoint
 from hpctrain.checkpoint.state import (
+    Held,
     held_tensors,
     layout_of,
     optimizer_step,
@@ -85,7 +86,8 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
     """Checkpoint the run after ``step`` optimizer steps (collective over the world).
 
     ``background``: a ``background.BackgroundWriter``; the state is then copied and
-    written while training goes on, and the folder it will have is returned (its
+    written while training goes on (the engine's buffers, which the next forward
+    moves, copied at once), and the folder it will have is returned (its
     errors, ``NonFiniteState`` included, are raised by the writer's next ``save`` or
     ``wait``). A state with nan or inf raises ``NonFiniteState`` on every rank and
     leaves no checkpoint (see the module docstring). ``say``: rank 0's
@@ -94,6 +96,8 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
     ``extra``: more JSON metadata (the batch shares), returned in ``Resumed.meta``."""
     comm = topo.world_comm
     held = held_tensors(engine, dp, topo.tp_rank, topo.tp_size)
+    if background is not None:
+        held = _still(held, engine)
     t = optimizer_step(dp)
     if comm.Get_size() > 1:
         from mpi4py import MPI
@@ -112,12 +116,28 @@ def save_training(cfg: Any, topo: Any, engine: Any, dp: Any, *, step: int,
                 on_event=on_event, say=say, finite=True, io=cfg.train.checkpoint_io)
 
 
+def _still(held: list, engine: Any) -> list:
+    """``held`` with the engine's buffers copied: a background snapshot may be taken
+    while the next step's forward runs, which reads the parameters and optimizer state
+    but moves the buffers (BatchNorm's running statistics, a few numbers a channel)."""
+    moving = {f"model/{name}" for name, _ in getattr(engine, "named_buffers", ())}
+    return [Held(h.name, h.array.copy(), h.sharding) if h.name in moving else h
+            for h in held]
+
+
 def config_hint(saved: dict, cfg: Any) -> str:
-    """``"; the model config differs: n_layer 2 (checkpoint) vs 4 (config)"``, or ''."""
+    """``"; the model config differs: n_layer 2 (checkpoint) vs 4 (config)"``, or ''; and
+    whether ``pipeline_training`` differs (local training adds auxiliary heads)."""
     mine = cfg.to_dict()["model"]
     diff = [f"{k} {saved.get('model', {}).get(k)!r} (checkpoint) vs {v!r} (config)"
             for k, v in mine.items() if saved.get("model", {}).get(k) != v]
-    return f"; the model config differs: {', '.join(diff)}" if diff else ""
+    hint = f"; the model config differs: {', '.join(diff)}" if diff else ""
+    was = saved.get("parallel", {}).get("pipeline_training")
+    now = cfg.parallel.pipeline_training
+    if was is not None and was != now:
+        hint += (f"; pipeline_training {was!r} (checkpoint) vs {now!r} (config): local "
+                 f"training's auxiliary heads (aux_heads.*) are parameters of their own")
+    return hint
 
 
 def check_share(topo: Any, held: list) -> tuple[int, int]:
@@ -228,6 +248,10 @@ def _read_local(path: Path, cfg: Any, plan: ReadPlan, dp: Any, image: bytes | No
                                   f"{meta['averaging']['strategy']!r}, whose ranks hold "
                                   f"their own state: resume it with the same averaging "
                                   f"and dp")
+        missing = [h.name for h in plan.own + plan.shared if h.name not in ckpt.tensors]
+        if missing:  # with the hint: what in the config makes the model hold it
+            raise CheckpointError(f"{ckpt.index.path}: has no tensor {missing[0]} "
+                                  f"({len(ckpt.tensors)} tensors){hint}")
         ckpt.read_held(plan.own, hint, plan.own_share)
         runs = ckpt.read_held(plan.shared, hint, plan.share, read_all=False)
         return _Read(ckpt.step, meta, sorted(ckpt.tensors), str(ckpt.index.path), runs,

@@ -242,10 +242,12 @@ class LocalDataParallel:
     def meta(self) -> dict:
         s = self.schedule
         return {"strategy": s.strategy, "every": s.every, "sync_steps": s.sync_steps,
-                "dp": self.dp_size, "t": self.t}
+                "dp": self.dp_size, "t": self.t, "weighted": False}
 
     def load_meta(self, saved: dict | None, where: str) -> None:
-        """Check that the checkpoint's strategy is this one, at this dp; take its step."""
+        """Check that the checkpoint's strategy is this one, at this dp, with shares of
+        the same kind, and that its step can go on under this schedule (a post_local
+        step taken apart is never followed by a synchronous one); take its step."""
         from hpctrain.checkpoint.format import CheckpointError
 
         mine = self.meta()
@@ -260,7 +262,24 @@ class LocalDataParallel:
                                       f"has {mine['strategy']!r} at dp {mine['dp']}: each "
                                       f"rank saved its own state, which resumes only with "
                                       f"the same averaging at the same dp")
-        self.t = int(saved["t"])
+        if saved.get("weighted", mine["weighted"]) != mine["weighted"]:  # (older: no key)
+            kinds = {False: "shares 'equal'",
+                     True: "shares 'fixed' or 'measured' (weighted local SGD)"}
+            raise CheckpointError(f"{where}: was saved with averaging {saved['strategy']!r} "
+                                  f"and {kinds[saved['weighted']]}; this run has "
+                                  f"{kinds[mine['weighted']]}, whose ranks keep other "
+                                  f"state: resume it with {kinds[saved['weighted']]}")
+        t = int(saved["t"])
+        before = Schedule(saved["strategy"], saved["every"], saved["sync_steps"])
+        if t > 0 and not before.synchronous(t) and self.schedule.synchronous(t + 1):
+            raise CheckpointError(f"{where}: was saved after step {t} of post_local "
+                                  f"averaging with sync_steps {before.sync_steps}, when its "
+                                  f"replicas had trained apart since step "
+                                  f"{before.sync_steps + 1}; sync_steps "
+                                  f"{self.schedule.sync_steps} would make step {t + 1} "
+                                  f"synchronous again on unequal replicas and optimizer "
+                                  f"states: resume with sync_steps at most {t}")
+        self.t = t
 
 
 def check_nodes(par: Any, topo: Any) -> None:

@@ -116,7 +116,29 @@ class ShareBalancer:
     def state(self) -> dict:
         return {"shares": list(self.shares)}
 
-    def load_state(self, saved: dict | None) -> None:
-        if saved and self.mode == "measured":
-            self.shares = tuple(int(n) for n in saved["shares"])
+    def load_state(self, saved: dict | None) -> str | None:
+        """Measured shares: take a checkpoint's back (``state()``) when they fit this
+        run, else keep the equal start, measured again like a fresh run's. Returns
+        why they did not fit (None: taken, or nothing to take); the same on every rank.
+        A checkpoint saved at another dp, batch or number of microbatches loads, so its
+        shares may be for other ranks, or not a multiple of this run's microbatches."""
+        if not saved or self.mode != "measured":
+            return None
+        shares = tuple(int(n) for n in saved["shares"])
+        why = misfit(shares, self.comm.Get_size(), self.batch, self.multiple)
+        if why is None:
+            self.shares = shares
             self._apply()
+        return why
+
+
+def misfit(shares: tuple[int, ...], dp: int, total: int, multiple: int) -> str | None:
+    """Why ``shares`` cannot be the shares of ``dp`` ranks in a batch of ``total``, each
+    a positive multiple of ``multiple`` (None: they can). Pure."""
+    if len(shares) != dp:
+        return f"{len(shares)} shares for dp {dp}"
+    if sum(shares) != total:
+        return f"they sum to {sum(shares)}, not batch_size {total}"
+    if any(n <= 0 or n % multiple for n in shares):
+        return f"not each a positive multiple of {multiple}"
+    return None

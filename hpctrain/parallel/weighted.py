@@ -51,11 +51,14 @@ class WeightedLocalDataParallel(LocalDataParallel):
 
     def local_round(self, engine: Any, x: np.ndarray, y: np.ndarray, *, lr: float,
                     grad_clip: float, guard=None, step: int = 0,
-                    share: float | None = None) -> tuple[float, float]:
+                    share: float | None = None,
+                    before_update=None) -> tuple[float, float]:
         """This rank's ``len(x) / unit`` local steps, then (every H rounds) the weighted
         meeting; returns (the round's loss over the global batch, the largest norm).
         Collective over the data group at the guard, the loss and the meeting.
-        ``share`` (``len(x) / B``) is implied by ``x``: taken for train_step's call."""
+        ``share`` (``len(x) / B``) is implied by ``x``: taken for train_step's call.
+        ``before_update``: as ``train_step``'s, called before the round's first update
+        (a background checkpoint's copy of the state must be taken by then)."""
         from hpctrain.optim import clip as clip_mod
         from hpctrain.train import mean_over
 
@@ -67,6 +70,8 @@ class WeightedLocalDataParallel(LocalDataParallel):
                 engine.zero_grad()
             losses.append(engine.forward_backward(xs, ys, scale=1.0))
             with trace.span("optimizer", "optimizer"):
+                if before_update is not None:  # at once after the first
+                    before_update()
                 g = engine.grad_norm()
                 norm = max(norm, g)
                 if grad_clip > 0:
@@ -113,6 +118,9 @@ class WeightedLocalDataParallel(LocalDataParallel):
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "local_steps": self.last_round}
+
+    def meta(self) -> dict:
+        return {**super().meta(), "weighted": True}
 
     def held_tensors(self, engine: Any, tp_rank: int, tp_size: int) -> list:
         from hpctrain.checkpoint.reshard import Sharding

@@ -10,6 +10,7 @@ at dp = the world size (and dp x tp = 2 inside each replica from 4 ranks):
 * hierarchical averaging on one node is refused on every rank alike.
 """
 
+import re
 import shutil
 import tempfile
 from dataclasses import replace
@@ -20,6 +21,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.checkpoint import load_training, save_training
+from hpctrain.checkpoint.format import CheckpointError
 from hpctrain.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hpctrain.optim import schedule
 from hpctrain.parallel.engine import build_engine
@@ -219,6 +221,48 @@ def test_weighted_local_sgd_takes_more_steps_on_the_faster_rank_and_resumes(shar
     resumed.free()
     assert_all(WORLD, got[0] == want[0] and np.array_equal(got[1], want[1]),
                f"weighted: resumed mid-period {got[0]} vs {want[0]}")
+
+
+def test_a_resume_that_cannot_continue_the_saved_averaging_is_refused(shared_dir):
+    """post_local saved after its local steps began resumes with no synchronous step
+    after them (those would sum gradients over replicas that differ); a checkpoint of
+    weighted local SGD and one of equal shares do not resume as each other. Every rank
+    refuses alike, naming the values; a sync_steps the saved step has passed loads."""
+    if SIZE < 2:
+        pytest.skip("needs a data group")
+    post = dict(optimizer="adamw", averaging="post_local", average_every=3)
+    first = Run(config(sync_steps=2, **post))
+    first.steps(batches(), 4)
+    cfg = config(sync_steps=2, **post)
+    cfg = replace(cfg, train=replace(cfg.train, run_dir=str(shared_dir)))
+    path = save_training(cfg, first.topo, first.engine, first.dp, step=4, loader_state=None,
+                         root=shared_dir / "post_local")
+    first.free()
+    weighted = dict(optimizer="adamw", averaging="periodic", average_every=3)
+    tried = [(dict(sync_steps=6, **post), path, "sync_steps 6 would make step 5 "
+              r"synchronous again .* at most 4"),
+             (dict(sync_steps=4, **post), path, None)]
+    for shares in ("fixed", "equal"):
+        kept = (dict(shares="fixed", batch_shares=(4,) * SIZE) if shares == "fixed"
+                else {})
+        run = Run(config(**weighted, **kept))
+        run.steps(batches(), 1)
+        saved = save_training(cfg, run.topo, run.engine, run.dp, step=1, loader_state=None,
+                              root=shared_dir / f"weighted-{shares}")
+        run.free()
+        other = {} if shares == "fixed" else dict(shares="fixed", batch_shares=(4,) * SIZE)
+        tried.append((dict(**weighted, **other), saved,
+                      f"was saved with averaging 'periodic' and shares '{shares}'"))
+    for par, saved, message in tried:
+        run = Run(config(**par))
+        try:
+            load_training(saved, cfg, run.topo, run.engine, run.dp)
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+        run.free()
+        ok = error is None if message is None else bool(error and re.search(message, error))
+        assert_all(WORLD, ok, f"{par}: {error}")
 
 
 def test_unequal_fixed_shares_give_the_serial_losses():
