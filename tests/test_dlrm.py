@@ -181,9 +181,13 @@ def test_config_rules_name_the_values(change, message):
         Config(model=model_cfg(**change)).validate(1)
 
 
-def test_config_refuses_zero_and_local_averaging():
-    with pytest.raises(ConfigError, match=r"zero \(1\) must be 0"):
+def test_config_refuses_zero_and_local_averaging_naming_only_what_breaks_the_rule():
+    with pytest.raises(ConfigError, match=r"gathered each step: zero \(1\) must be 0$"):
         Config(model=model_cfg(), parallel=ParallelConfig(zero=1)).validate(1)
+    # it listed the values that were fine too: "zero (0) must be 0, averaging ..."
+    with pytest.raises(ConfigError, match=r"step: averaging \('periodic'\) must be 'sync'$"):
+        Config(model=model_cfg(), parallel=ParallelConfig(dp=2, averaging="periodic")
+               ).validate(2)
 
 
 def test_tables_load_from_toml_as_inline_tables():

@@ -252,11 +252,14 @@ class DLRM(Model):
             raise ConfigError(f"embed_l2 ({m.embed_l2}) and bias_l2 ({m.bias_l2}) must not be "
                               f"negative, rating_min ({m.rating_min}) not above rating_max "
                               f"({m.rating_max})")
-        if par.zero != 0 or par.averaging != "sync" or par.shares != "equal":
+        broken = [rule for rule, ok in ((f"zero ({par.zero}) must be 0", par.zero == 0),
+                                        (f"averaging ({par.averaging!r}) must be 'sync'",
+                                         par.averaging == "sync"),
+                                        (f"shares ({par.shares!r}) must be 'equal'",
+                                         par.shares == "equal")) if not ok]
+        if broken:
             raise ConfigError(f"the DLRM's tables are replicated with their sparse gradients "
-                              f"gathered each step: zero ({par.zero}) must be 0, averaging "
-                              f"({par.averaging!r}) 'sync' and shares ({par.shares!r}) "
-                              f"'equal'")
+                              f"gathered each step: {', '.join(broken)}")
 
     @classmethod
     def model_flops(cls, m: ModelConfig, samples: int) -> float:
