@@ -18,10 +18,18 @@ and dtype checked too.
 
 ``read_held(held)`` loads a rank's whole state (what ``training.load_training``
 calls): the pieces that land whole in a contiguous part of a held array are sorted
-by file and offset, and every run of them that follows one another in a file is read
-by one ``preadv`` (about 8 MB at a time), its checksums taken by a second thread
-while the next run is read; the rest go through ``read_into``. On the benchmark GPT
-(231 pieces) this replaced 231 reads and checks in turn, about 10 ms of Python.
+by file and offset and cut into runs of pieces that follow one another in a file (up
+to ``RUN_BYTES``, 2 MB; a larger piece is a run of its own); the rest go through
+``read_into``. A few threads (``read_threads``: the cores the rank may use, shared
+among the ranks of its node, at most 4, counted as its BLAS threads are) each take
+the next run in file order, read it with one ``preadv`` and take its checksums at
+once, while its bytes are still in the caches: the kernel's copies out of the page
+cache and the checksums run on every core the rank has, and no pass reads a run back
+from memory. A bad run stops the threads
+taking new ones, and the load fails with the error of the first bad run in file
+order (every run before it was taken, and is finished, first). On the benchmark GPT
+(231 pieces) one ``preadv`` per run replaced 231 reads and checks in turn, about 10
+ms of Python.
 Replicas share the checking: the ranks of one node that hold the same arrays (data
 parallel, ``training.check_share``) read the same runs from the same page cache, so
 each checks about 1/n of them (``share_owners``) and a bad piece found by any fails
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,8 +83,10 @@ from hpctrain.checkpoint.reshard import (
     tiles,
 )
 from hpctrain.checkpoint.state import Held
+from hpctrain.slurm.placement import blas_threads_per_rank
 
-RUN_BYTES = 8 << 20  # read_held's reads: checksums of one overlap the reading of the next
+RUN_BYTES = 2 << 20  # read_held's reads: each checked at once, while still in the caches
+MAX_READ_THREADS = 4  # read_held's threads, at most
 _segments = functools.lru_cache(maxsize=4096)(segments)  # pure, and asked at every load
 
 
@@ -188,19 +199,8 @@ class Checkpoint:
                  where: str) -> None:
         """Bytes from ``offset`` on, into the C-contiguous ``outs`` one after another."""
         fd = self._fd(file, tensor)
-        views = byte_views(outs)
-        self.bytes_read += sum(v.nbytes for v in views)
-        while views:
-            n = os.preadv(fd, views[:IOV_MAX], offset)
-            if n <= 0:
-                raise CheckpointError(f"{where}: the file ends inside the piece (it is "
-                                      f"truncated); {REMEDY}")
-            offset += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
+        self.bytes_read += sum(a.nbytes for a in outs)
+        preadv_all(fd, outs, offset, where)
 
     def entry(self, name: str) -> TensorEntry:
         if name not in self.index.tensors:
@@ -308,11 +308,13 @@ class Checkpoint:
                 held[slices(common, segs[s].box)] = data[slices(common, piece.box)]
 
     def read_held(self, held: list[Held], hint: str = "", share: tuple[int, int] = (0, 1),
-                  read_all: bool = True) -> list[tuple[list[np.ndarray], int]]:
+                  read_all: bool = True, threads: int | None = None,
+                  ) -> list[tuple[list[np.ndarray], int]]:
         """Fill every held array with its part of its tensor (see the module docstring):
         the pieces that land whole in a contiguous region are read in runs, one
-        ``preadv`` per run of pieces that follow one another in a file, and checked
-        by a second thread while the next run is read; the others by ``read_into``.
+        ``preadv`` per run of pieces that follow one another in a file, each checked
+        as soon as it is read, by ``threads`` threads (None: ``read_threads(n)``);
+        the others by ``read_into``.
 
         ``share = (k, n)``: this rank is the k-th of n ranks that hold the same arrays
         (data-parallel replicas) and so the same runs, in the same order; it checks
@@ -349,7 +351,7 @@ class Checkpoint:
         for r in direct:
             last = runs[-1][-1] if runs else None
             if (last is not None and last[0] == r[0] and last[1] + last[4].nbytes == r[1]
-                    and run_bytes < RUN_BYTES):
+                    and run_bytes + r[4].nbytes <= RUN_BYTES):
                 runs[-1].append(r)
                 run_bytes += r[4].nbytes
             else:
@@ -359,25 +361,49 @@ class Checkpoint:
         if not read_all:
             shares += [([r[4] for r in run], owner)
                        for run, owner in zip(runs, owners, strict=True)]
-        with ThreadPoolExecutor(1) as pool:
-            checked = []
-            for run, owner in zip(runs, owners, strict=True):
-                check = owner == share[0]
-                if not (check or read_all):
-                    continue
-                file, offset, entry, piece, _ = run[0]
-                where = (f"{self.index.file_path(file)}: tensor {entry.name}, piece "
-                         f"{box_name(piece.box)}")
-                try:
-                    self._read_at(file, entry.name, offset, [r[4] for r in run], where)
-                except OSError as err:
-                    raise CheckpointError(f"{where}: cannot be read ({err}); "
-                                          f"{REMEDY}") from None
-                if check:
-                    checked.append(pool.submit(self._check_run, run))
-            for c in checked:
-                c.result()
+        tasks = [(run, owner == share[0]) for run, owner in zip(runs, owners, strict=True)
+                 if read_all or owner == share[0]]
+        for run, _ in tasks:  # the files opened here: HDF5 checks them, once
+            self._fd(run[0][0], run[0][2].name)
+            self.bytes_read += sum(r[4].nbytes for r in run)
+        self._read_runs(tasks, read_threads(share[1]) if threads is None else threads)
         return shares
+
+    def _read_runs(self, tasks: list[tuple[list, bool]], threads: int) -> None:
+        """Each ``(run, check)``: the run read by one ``preadv``, then, if ``check``,
+        its checksums taken at once, while its bytes are still in the caches; by
+        ``threads`` threads, each taking the next run in file order. The error of the
+        first bad run in file order is raised here: after a failure the threads take no
+        new run, and every run before it was taken first and finishes."""
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for k, task in enumerate(tasks):
+            todo.put((k, task))
+        failed: dict[int, CheckpointError] = {}
+
+        def work() -> None:
+            while not failed:
+                try:
+                    k, (run, check) = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    self._read_run(run)
+                    if check:
+                        self._check_run(run)
+                except CheckpointError as err:
+                    failed[k] = err
+
+        threads = max(1, min(threads, len(tasks)))
+        if threads == 1:
+            work()
+        else:
+            with ThreadPoolExecutor(threads - 1) as pool:
+                helpers = [pool.submit(work) for _ in range(threads - 1)]
+                work()
+                for h in helpers:
+                    h.result()  # anything but a CheckpointError: raised as it is
+        if failed:
+            raise failed[min(failed)]
 
     def _direct_reads(self, entry: TensorEntry, h: Held) -> list | None:
         """``(file, offset, entry, piece, target)`` per segment of ``h``, if each is
@@ -397,6 +423,16 @@ class Checkpoint:
             reads.append((piece.file, offset, entry, piece, target))
         return reads
 
+    def _read_run(self, run: list) -> None:
+        """A run's pieces, one after another in their file, into their targets (its
+        file already open: ``read_held``)."""
+        file, offset, entry, piece, _ = run[0]
+        where = f"{self.index.file_path(file)}: tensor {entry.name}, piece {box_name(piece.box)}"
+        try:
+            preadv_all(self._fds[file], [r[4] for r in run], offset, where)
+        except OSError as err:
+            raise CheckpointError(f"{where}: cannot be read ({err}); {REMEDY}") from None
+
     def _check_run(self, run: list) -> None:
         for file, _, entry, piece, target in run:
             self._checked(piece, target, lambda f=file, e=entry, p=piece: (
@@ -408,6 +444,33 @@ class Checkpoint:
         out = np.empty(entry.global_shape, np.dtype(entry.dtype))
         self.read_into(name, out, Sharding(entry.global_shape))
         return out
+
+
+def preadv_all(fd: int, outs: list[np.ndarray], offset: int, where: str) -> None:
+    """Bytes of ``fd`` from ``offset`` on, into the C-contiguous ``outs`` one after
+    another, however the kernel splits the reads; a file that ends first is truncated
+    (``where`` names the piece in the error)."""
+    views = byte_views(outs)
+    while views:
+        n = os.preadv(fd, views[:IOV_MAX], offset)
+        if n <= 0:
+            raise CheckpointError(f"{where}: the file ends inside the piece (it is "
+                                  f"truncated); {REMEDY}")
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def read_threads(ranks_on_node: int) -> int:
+    """The threads ``read_held`` reads and checks on: the cores this rank may use,
+    shared among ``ranks_on_node`` ranks (``slurm.placement.blas_threads_per_rank``, as
+    for its BLAS: SLURM's cores per task, a launcher's binding, or an even share of the
+    node), at most ``MAX_READ_THREADS``. A training load passes its node's ranks
+    (``training.read_plan``); ``read_held`` alone, its share's n."""
+    return min(MAX_READ_THREADS, blas_threads_per_rank(ranks_on_node))
 
 
 def share_owners(sizes: list[int], n: int) -> list[int]:

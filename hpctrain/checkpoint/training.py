@@ -37,7 +37,7 @@ from hpctrain.checkpoint.format import (
     latest_checkpoint,
     resolve,
 )
-from hpctrain.checkpoint.reader import Checkpoint
+from hpctrain.checkpoint.reader import Checkpoint, read_threads
 from hpctrain.checkpoint.state import (
     Held,
     held_tensors,
@@ -166,6 +166,7 @@ class ReadPlan:
     shared: list
     share: tuple[int, int]
     group: Any
+    threads: int | None = None  # read_held's threads (None: as read_held counts them)
 
 
 def read_plan(topo: Any, held: list, mode: str) -> ReadPlan:
@@ -176,9 +177,11 @@ def read_plan(topo: Any, held: list, mode: str) -> ReadPlan:
     1/dp by each, and broadcast (``exchange_runs``)."""
     if mode not in ("each", "shared"):
         raise ValueError(f"checkpoint_read ({mode!r}) must be each or shared")
+    nodes = getattr(topo, "nodes", None)  # the cores are shared by every rank of a node
+    threads = None if nodes is None else read_threads(nodes.ranks_on_node)
     group = getattr(topo, "dp_comm", None)
     if mode == "each" or group is None or group.Get_size() == 1:
-        return ReadPlan(held, check_share(topo, held), [], (0, 1), None)
+        return ReadPlan(held, check_share(topo, held), [], (0, 1), None, threads)
     keys = [_holding_key([h]) for h in held]
     everywhere = set.intersection(*(set(k) for k in group.allgather(keys)))
     # in one order on every replica: each broadcast pairs the same arrays
@@ -186,8 +189,9 @@ def read_plan(topo: Any, held: list, mode: str) -> ReadPlan:
                                     if k in everywhere), key=lambda kh: kh[0])]
     own = [h for h, k in zip(held, keys, strict=True) if k not in everywhere]
     if not shared:
-        return ReadPlan(held, (0, 1), [], (0, 1), None)
-    return ReadPlan(own, (0, 1), shared, (group.Get_rank(), group.Get_size()), group)
+        return ReadPlan(held, (0, 1), [], (0, 1), None, threads)
+    return ReadPlan(own, (0, 1), shared, (group.Get_rank(), group.Get_size()), group,
+                    threads)
 
 
 def exchange_runs(group: Any, runs: list) -> None:
@@ -252,8 +256,9 @@ def _read_local(path: Path, cfg: Any, plan: ReadPlan, dp: Any, image: bytes | No
         if missing:  # with the hint: what in the config makes the model hold it
             raise CheckpointError(f"{ckpt.index.path}: has no tensor {missing[0]} "
                                   f"({len(ckpt.tensors)} tensors){hint}")
-        ckpt.read_held(plan.own, hint, plan.own_share)
-        runs = ckpt.read_held(plan.shared, hint, plan.share, read_all=False)
+        ckpt.read_held(plan.own, hint, plan.own_share, threads=plan.threads)
+        runs = ckpt.read_held(plan.shared, hint, plan.share, read_all=False,
+                              threads=plan.threads)
         return _Read(ckpt.step, meta, sorted(ckpt.tensors), str(ckpt.index.path), runs,
                      ckpt.bytes_read)
 
