@@ -375,7 +375,7 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
             kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
         writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
         ends = sched.get("total_steps", cfg.train.steps)
-        if cfg.train.steps > ends and sched["min_lr"] != sched["lr"]:
+        if cfg.train.steps > max(ends, resumed.step) and sched["min_lr"] != sched["lr"]:
             writer.say(f"warning: the schedule ends at step {ends} and the run goes on to "
                        f"step {cfg.train.steps}: steps {max(ends, resumed.step) + 1}-"
                        f"{cfg.train.steps} train at min_lr {sched['min_lr']:.2e}; "

@@ -128,6 +128,11 @@ def test_a_resume_keeps_the_records_before_a_cut_line_and_says_what_it_trained(c
     assert result.returncode == 0, result.stderr
     assert "done: no step left to train (the checkpoint is at step 6, --steps 3)" in \
         result.stdout
+    # nothing left to train past the schedule's end: no warning about steps 7-6
+    result = run_train(1, config_file, run, "--steps", "6", "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "no step left to train" in result.stdout and "warning" not in result.stdout, \
+        result.stdout
 
 
 def test_an_empty_resume_is_refused_not_taken_for_a_fresh_run(config_file, tmp_path):
