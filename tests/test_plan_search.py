@@ -239,9 +239,18 @@ def test_plan_command_errors_name_the_problem(files):
     got = CliRunner().invoke(plan, ["--config", str(files / "wide.toml"), "--ranks", "8",
                                     "--cluster", str(files / "small.toml")])
     assert got.exit_code != 0 and "fits in no layout: the closest" in got.output
+    (files / "eight.toml").write_text(to_toml(hand_cluster((("cpu", 8),))))
     got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--ranks", "64",
-                                    "--cluster", str(files / "k.toml"), "--batch", "1"])
+                                    "--cluster", str(files / "eight.toml"), "--batch", "1"])
     assert got.exit_code != 0 and "global batch of 1" in got.output
+    # more ranks a node than its cores: priced as if the cores were there (a 4-rank
+    # layout on one 2-core node was "MFU 64.5%"); the search alone never goes there
+    (files / "two.toml").write_text(to_toml(hand_cluster(cores=2)))
+    for extra in (["--explain", "dp4-tp1-pp1-mb1-1f1b-z0"], ["--ranks", "3"]):
+        text = one_line_error(CliRunner().invoke(plan, [
+            "--config", str(files / "c.toml"), "--cluster", str(files / "two.toml"), *extra]))
+        assert "on a node, whose smallest has 2 cores: the plan prices at most one rank a " \
+            "core; give at most 2 ranks" in text, text
     got = CliRunner().invoke(plan, base + ["--cluster", str(files / "k.toml"), "--explain",
                                            "dp3-tp1-pp1-mb1-1f1b-z0"])
     assert got.exit_code != 0 and "dp * tp * pp" in got.output

@@ -144,6 +144,21 @@ def rank_cores(cluster: Cluster, rpn: int) -> int:
     return max(1, node_cores(cluster) // rpn)
 
 
+def check_ranks(cluster: Cluster, world: int) -> None:
+    """Raise a ConfigError when ``world`` ranks put more ranks on a node than its
+    cores (block placement over every node): the cost model prices a rank's products
+    at a core's rates at least, so such a layout would be predicted as if the cores
+    were there (the search without --ranks never reaches it)."""
+    rpn = cost.ranks_per_node(cluster, world)
+    if rpn > node_cores(cluster):
+        raise ConfigError(
+            f"{world} ranks on the {cluster.num_nodes} node(s) of {cluster.name} put {rpn} "
+            f"on a node, whose smallest has {node_cores(cluster)} cores: the plan prices "
+            f"at most one rank a core; give at most "
+            f"{cluster.num_nodes * node_cores(cluster)} ranks (--ranks, or a layout whose "
+            f"dp * tp * pp is no more)")
+
+
 def check_threads(par, cluster: Cluster, rpn: int) -> None:
     """Raise a ConfigError when ``par`` splits a rank's batch over more threads than
     the rank has cores with ``rpn`` ranks a node (the search never proposes it: each
@@ -335,11 +350,14 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
             par = replace(cfg.parallel, **parse_layout(explain_layout))
             # the layout's ranks, unless --ranks names others (validate says why not)
             world = ranks if ranks is not None else par.dp * par.tp * par.pp
+            check_ranks(cluster, world)
             checked = replace(cfg, parallel=par).validate(world)
             check_threads(par, cluster, cost.ranks_per_node(cluster, world))
             chosen = cost.estimate(checked, cluster, practice=practice)
             click.echo(explain(chosen))
         else:
+            for world in worlds:
+                check_ranks(cluster, world)
             found = enumerate_over(cfg, cluster, worlds, practice=practice)
             priced = kernels or cost.running_kernels(cfg.model)
             on = " or ".join(str(w) for w in worlds)
