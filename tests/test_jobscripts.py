@@ -10,7 +10,7 @@ from hpctrain.cli import main
 from hpctrain.config import ConfigError
 from hpctrain.parallel.topology import NodeLayout
 from hpctrain.slurm.placement import blas_threads_per_rank, tensor_group_warning
-from hpctrain.slurm.render import TEMPLATES, JobRequest, check_fit, render
+from hpctrain.slurm.render import TEMPLATES, JobRequest, check_fit, render, time_seconds
 
 SCRIPTS = sorted(TEMPLATES.glob("*.sbatch")) + sorted(TEMPLATES.glob("*.sh"))
 
@@ -77,6 +77,13 @@ def test_slurm_time_forms_are_accepted(time):
     assert check_fit(JobRequest(nodes=1, ranks_per_node=4, time=time)) == 4
 
 
+@pytest.mark.parametrize("time, seconds", [
+    ("3", 180), ("90", 5400), ("02:00", 120), ("1:02:03", 3723), ("1-0", 86400),
+    ("1-2:03", 93780), ("2-23:59:59", 259199)])
+def test_time_limits_in_seconds(time, seconds):
+    assert time_seconds(time) == seconds
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "0"], "tp (0) must be at least 1"),
     (["--pp", "0"], "pp (0) must be at least 1"),
@@ -87,6 +94,10 @@ def test_slurm_time_forms_are_accepted(time):
     (["--ranks-per-node", "0"], "ranks per node (0)"),
     (["--time", "2h"], "time ('2h') must look like"),
     (["--time", "99:99:99"], "time ('99:99:99') must look like"),
+    # no longer than the template's --signal=B:USR1@120: each attempt signalled at once
+    (["--time", "2"], "time (2 = 120 s) must be longer than the template's warning "
+                      "(--signal=B:USR1@120"),
+    (["--time", "01:30"], "time (01:30 = 90 s) must be longer"),
     (["--config", "nonexist.toml"], "config file 'nonexist.toml' does not exist"),
     (["--train-args", "--bogus 1"], "No such option '--bogus'"),
     (["--job-name", "my job"], "--job-name ('my job') must be non-empty, without whitespace"),
@@ -168,3 +179,19 @@ def test_blas_threads_and_tensor_group_warning(monkeypatch):
 
 def test_templates_folder_is_the_repository_one():
     assert TEMPLATES == Path(__file__).resolve().parents[1] / "jobscripts"
+
+
+def test_prep_job_exits_with_the_status_of_the_step_that_failed(tmp_path):
+    """A partition that fails with status 5 ends the job with 5, not with the 1 of a
+    test between the steps."""
+    prep = tmp_path / "prep"
+    prep.write_text('#!/bin/sh\necho "$1" >> "$(dirname "$0")/calls"\n'
+                    '[ "$1" = partition ] && exit 5\nexit 0\n')
+    prep.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n0",
+           "PREP": str(prep), "SHARDS": "2", "OUTPUT": str(tmp_path / "d.h5")}
+    result = subprocess.run(["bash", str(TEMPLATES / "prep.sbatch")], capture_output=True,
+                            text=True, env=env, timeout=30)
+    assert result.returncode == 5, (result.stdout, result.stderr)
+    assert "preparation exited with status 5" in result.stdout
+    assert (tmp_path / "calls").read_text().split() == ["text", "partition"]  # no verify

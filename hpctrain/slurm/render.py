@@ -12,7 +12,9 @@ as it is. Rendering rewrites two kinds of lines and leaves every other line alon
 one node. The run's config, with the options of ``--train-args`` read by ``hpctrain
 train``'s own parser, is validated for that rank count too, so a model rule (``tp (3)
 must divide n_head (8)``), a misspelt option or a bad value fails here, before anything
-is submitted.
+is submitted. ``render`` refuses a time limit no longer than the template's preemption
+warning (``--signal=B:USR1@120``), which would signal and requeue every attempt as it
+starts.
 """
 
 from __future__ import annotations
@@ -79,6 +81,19 @@ def check_fit(req: JobRequest) -> int:
     return dp
 
 
+def time_seconds(text: str) -> int:
+    """Seconds of a time limit in one of SLURM's forms (``_is_time_limit``): a lone
+    field is minutes, two are minutes and seconds, three hours, minutes and seconds;
+    after ``D-`` they are hours, minutes and seconds."""
+    days, _, clock = text.rpartition("-")
+    fields = [int(f) for f in clock.split(":")]
+    if days:
+        units = (3600, 60, 1)
+    else:
+        units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(fields)]
+    return int(days or 0) * 86400 + sum(f * u for f, u in zip(fields, units, strict=False))
+
+
 def _is_time_limit(text: str) -> bool:
     """SLURM's forms MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS. The leading field
     is unbounded (``90`` is 90 minutes) but for a day's hours; the fields below it are
@@ -120,8 +135,24 @@ def train_overrides(train_args: str) -> dict:
     return config_overrides(params, params.get("table_plan"))
 
 
+_WARNING = re.compile(r"^#SBATCH --signal=(?:B:)?\w+@(\d+)", re.MULTILINE)
+
+
+def check_warning(template: str, time: str) -> None:
+    """Refuse a time limit no longer than the template's warning (``--signal=...@N``):
+    SLURM would signal every attempt as it starts, and the job would requeue, again and
+    again, without training."""
+    m = _WARNING.search(template)
+    if m and time_seconds(time) <= int(m.group(1)):
+        raise ConfigError(
+            f"time ({time} = {time_seconds(time)} s) must be longer than the template's "
+            f"warning ({m.group(0).split()[1]}: the preemption signal {m.group(1)} s before "
+            f"the limit), or every attempt is signalled as it starts and requeued")
+
+
 def render(template: str, req: JobRequest, dp: int) -> str:
     """The template with this request's resources and defaults filled in."""
+    check_warning(template, req.time)
     sbatch = {"job-name": req.job_name, "nodes": req.nodes,
               "ntasks-per-node": req.ranks_per_node, "cpus-per-task": req.cpus_per_task,
               "time": req.time, "partition": req.partition, "account": req.account}

@@ -11,6 +11,10 @@ allocation for the pip MPICH, see DEVELOPERS.md) and on one node with ``srun
 --signal=USR1`` (the signal ``#SBATCH --signal=B:USR1@120`` sends before the time limit,
 which the script passes on to its launcher) that must requeue themselves, resume from
 their checkpoint and, on two nodes, end with the loss curve of an uninterrupted run.
+What goes wrong for users is checked too: a job SLURM will not requeue must end FAILED,
+a chain whose preparation fails must not leave its training pending for good, and
+another MPI's ``mpiexec`` first on PATH must not be taken for the venv's. ``COMMAND=cv``
+runs a cross-validation through the same template.
 
 The jobs run the hpctrain, hpctrain-prep and mpiexec of the venv that runs pytest: the
 pip MPICH's in ``make test-cluster``; Debian's MPICH or Open MPI in ``make
@@ -217,6 +221,9 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
     wait_for_requeued(cluster, job)
     log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
     assert "SIGUSR1, passed on to the ranks" in log, log
+    # each attempt heads the error file too, which it appends to (--open-mode=append)
+    err = (tmp_path / f"hpctrain-train-{job}.err").read_text()
+    assert f"job {job} (restart 0)" in err and f"job {job} (restart 1)" in err, err
     assert "preempted, checkpoint saved" in log and "(restart 1)" in log, log
     got = {r["step"]: r["loss"] for r in read_metrics(metrics)}
     assert sorted(got) == list(range(1, steps + 1))
@@ -230,11 +237,9 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
     assert got == want  # bitwise: same layout, resumed from an exact checkpoint
 
 
-def test_a_signal_before_the_launch_requeues_the_job_without_starting_it(cluster, text_data,
-                                                                       tmp_path):
-    # the template with a slow site setup, as a module system's can be: a SIGUSR1 that
-    # comes then (a short time limit, an early scancel) finds no launcher to pass it to;
-    # the job must go back to the queue and run later, not die of the signal
+def signalled_in_site_setup(env, tmp_path, text_data, *options) -> str:
+    """A 6-step job of the template given a slow site setup, as a module system's can
+    be, sent SIGUSR1 during that setup (before its launcher runs); its id."""
     template = (ROOT / "jobscripts" / "train.sbatch").read_text()
     site = '# source "$HOME/hpctrain/.venv/bin/activate"\n'
     assert template.count(site) == 1
@@ -243,23 +248,102 @@ def test_a_signal_before_the_launch_requeues_the_job_without_starting_it(cluster
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_GPT.format(steps=6, data=text_data))
     job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--nodes=1",
-                          "--ntasks-per-node=2", str(script)],
-                         env={**cluster, "CONFIG": str(cfg), "RUN_DIR": str(tmp_path / "run")},
+                          "--ntasks-per-node=2", *options, str(script)],
+                         env={**env, "CONFIG": str(cfg), "RUN_DIR": str(tmp_path / "run")},
                          capture_output=True, text=True, timeout=60, check=True
                          ).stdout.strip().split(";")[0]
     out = tmp_path / f"hpctrain-train-{job}.out"
     deadline = time.monotonic() + 120
     while not (out.exists() and "site setup" in out.read_text()):
-        assert time.monotonic() < deadline, job_report(cluster, job)
+        assert time.monotonic() < deadline, job_report(env, job)
         time.sleep(0.2)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True,
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True,
                    timeout=30)
+    return job
+
+
+def test_a_signal_before_the_launch_requeues_the_job_without_starting_it(cluster, text_data,
+                                                                       tmp_path):
+    # a SIGUSR1 during the site setup (a short time limit, an early scancel) finds no
+    # launcher to pass it to; the job must go back to the queue and run later, not die
+    # of the signal
+    job = signalled_in_site_setup(cluster, tmp_path, text_data)
+    out = tmp_path / f"hpctrain-train-{job}.out"
     wait_for_requeued(cluster, job)
     log = out.read_text()
     assert f"job {job}: SIGUSR1 before the launch; requeueing without starting" in log, log
     assert "(restart 1)" in log and log.count("step 1/6") == 1, log  # trained once
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == \
         list(range(1, 7))
+
+
+def test_a_job_slurm_will_not_requeue_ends_failed_with_the_run_dir_to_resume(
+        cluster, text_data, tmp_path):
+    # submitted with --no-requeue, `scontrol requeue` is refused: the job must not show
+    # COMPLETED with its run unfinished, but FAILED with the preempted status
+    job = signalled_in_site_setup(cluster, tmp_path, text_data, "--no-requeue")
+    fields = wait_for(cluster, job, timeout=60)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "3:0", \
+        job_report(cluster, job)
+    note = (f"job {job}: SLURM did not requeue it; to continue, submit it again with "
+            f"RUN_DIR={tmp_path / 'run'}")
+    for suffix in ("out", "err"):
+        assert note in (tmp_path / f"hpctrain-train-{job}.{suffix}").read_text()
+
+
+def test_a_chain_whose_preparation_fails_cancels_its_training(cluster, tmp_path):
+    # not left pending for good ("DependencyNeverSatisfied")
+    env = {**cluster, "DATASET": "no-such-dataset", "OUTPUT": str(tmp_path / "x.h5")}
+    out = subprocess.run(["bash", str(ROOT / "jobscripts" / "chain.sh")], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    prep_id, train_id = re.findall(r"job (\d+)", out)[:2]
+    assert wait_for(cluster, prep_id, timeout=60)["JobState"] == "FAILED"
+    fields = wait_for(cluster, train_id, timeout=30)
+    assert fields["JobState"] == "CANCELLED", job_report(cluster, train_id)
+    assert fields["Reason"] == "DependencyNeverSatisfied", fields["Reason"]
+
+
+def test_cross_validation_runs_through_the_template(cluster, tmp_path):
+    # COMMAND=cv: `hpctrain cv ... --resume`, which starts fresh folds and, after a
+    # requeue, continues the stopped one
+    cfg = tmp_path / "dlrm.toml"
+    text = (ROOT / "configs" / "dlrm-movielens.toml").read_text()
+    assert text.count('path = "data/movielens.h5"') == 1
+    cfg.write_text(text.replace('path = "data/movielens.h5"',
+                                f'path = "{ROOT / "data" / "movielens.h5"}"'))
+    job = sbatch(cluster, "train.sbatch", f"--chdir={tmp_path}", "--nodes=1",
+                 "--ntasks-per-node=2", COMMAND="cv", CONFIG=cfg, RUN_DIR=tmp_path / "cv",
+                 TRAIN_ARGS="--folds 2 --steps 3")
+    fields = wait_for(cluster, job, timeout=120)
+    log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", job_report(cluster, job)
+    assert "2-fold cross-validation" in log and "RMSE per fold:" in log, log
+    assert f"job {job}: hpctrain cv exited with status 0" in log, log
+    assert (tmp_path / "cv" / "cv.json").is_file()
+
+
+@pytest.mark.skipif(not (BIN / "mpiexec").exists(), reason="this venv holds no mpiexec")
+def test_the_mpi_beside_hpctrain_comes_before_another_on_path(cluster, text_data, tmp_path):
+    # HPCTRAIN=.../venv/bin/hpctrain with the venv not activated, as the README shows,
+    # and another MPI's mpiexec (a system Open MPI) first on PATH: the job must launch
+    # with the venv's MPI, not pick the other one and fail in MPI_Init
+    other = tmp_path / "other-mpi"
+    other.mkdir()
+    (other / "mpiexec").write_text(
+        '#!/bin/sh\necho "mpiexec (OpenRTE) 4.1.4"\n[ "$1" = --version ] && exit 0\n'
+        'echo "another MPI\'s mpiexec" >&2\nexit 1\n')
+    (other / "mpiexec").chmod(0o755)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_GPT.format(steps=6, data=text_data))
+    env = {**cluster, "PATH": f"{other}:/usr/bin:/bin"}
+    job = sbatch(env, "train.sbatch", f"--chdir={tmp_path}", "--nodes=1",
+                 "--ntasks-per-node=2", CONFIG=cfg, RUN_DIR=tmp_path / "run")
+    fields = wait_for(cluster, job, timeout=120)
+    log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", job_report(cluster, job)
+    assert f"PATH: {BIN} first, for the MPI beside HPCTRAIN" in log, log
+    assert f"launcher: {ONE_NODE} (auto)" in log, log
 
 
 def test_one_job_across_two_nodes_and_srun_on_one(cluster, emulated, text_data, tmp_path):
