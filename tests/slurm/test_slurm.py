@@ -224,7 +224,8 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(cluster,
     # each attempt heads the error file too, which it appends to (--open-mode=append)
     err = (tmp_path / f"hpctrain-train-{job}.err").read_text()
     assert f"job {job} (restart 0)" in err and f"job {job} (restart 1)" in err, err
-    assert "preempted, checkpoint saved" in log and "(restart 1)" in log, log
+    assert "checkpoint saved; resume with" in log and "; requeueing" in log, log
+    assert "(restart 1)" in log, log
     got = {r["step"]: r["loss"] for r in read_metrics(metrics)}
     assert sorted(got) == list(range(1, steps + 1))
     if nodes == 1:
