@@ -173,7 +173,8 @@ def _int_list(value: str, name: str) -> list[int]:
                    "parallel file system).")
 @click.option("--stall-timeout", type=float, metavar="SECONDS",
               help="Abort the job, naming the late ranks and what the others wait in, when a "
-                   "step takes longer than this (0: never; default 300).")
+                   "step, a start-up phase (data, model, checkpoint load) or the work "
+                   "between takes longer than this (0: never; default 300).")
 @click.option("--recompute", type=click.Choice(["none", "full", "selective", "attention"]),
               help="Activation recomputation: keep each piece's input and run its forward "
                    "again in backward (full), recompute attention's probabilities only "

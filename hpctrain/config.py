@@ -218,7 +218,9 @@ class TrainConfig:
     blas_threads: int = 0  # per rank; 0 means cores // ranks on this node
     row_threads: int = 0  # element-wise threads per rank (hpctrain.nn.threads); 0: as BLAS
     max_skipped_steps: int = 5  # consecutive non-finite steps skipped before the run stops
-    stall_timeout: float = 300.0  # seconds a step may take before the job is aborted; 0: off
+    # seconds a step, a start-up phase or the work between may take before the job is
+    # aborted; 0: off
+    stall_timeout: float = 300.0
     async_save: bool = False  # write checkpoints from a background thread while training
     # checkpoint data: "files" (one per rank), "mpio" (one shared file through MPI-IO:
     # h5py built with MPI), "auto" (mpio when h5py has MPI and the job several ranks)

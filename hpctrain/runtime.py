@@ -19,7 +19,9 @@ Three kinds of failure, three mechanisms:
 And one way to end: ``finalize_on_exit`` ends MPI when every rank is done, but exits
 with the command's status if ``MPI_Finalize`` does not return (UCX's TCP transport can
 hang there, DEVELOPERS.md), so that a finished or preempted job does not sit in its
-allocation until the time limit.
+allocation until the time limit; and ends the job, naming the ranks, when some rank
+does not come to the end at all within that time (stuck after the stall watchdog
+stopped, or the others left behind by a rank that exited alone).
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ FINALIZE_TIMEOUT_ENV = "HPCTRAIN_FINALIZE_TIMEOUT_S"
 FINALIZE_TIMEOUT_S = 30.0
 FINALIZE_SETTLE_S = 0.1  # seconds between the ranks' last barrier and MPI_Finalize
 FINALIZE_WIRE_MAX_RANKS = 512  # jobs up to this size connect every pair before it
+# seconds between a rank's last words and its MPI_Abort: the launcher forwards a rank's
+# output as it reads it, and an abort tears the job down before it read the rest (MPICH
+# 4.0's hydra lost the whole traceback of the failing rank in 3 of 13 jobs here)
+ABORT_DRAIN_S = 0.3
+ARRIVED_TAG = 32001  # point-to-point tag on the world of a rank's arrival at the end
+ARRIVAL_POLL_S = 0.01  # seconds between looks whether the other ranks have arrived
 
 
 class UserError(Exception):
@@ -76,7 +84,11 @@ def startup_check(comm: Any, fn: Callable[[], T]) -> T:
         result = fn()
     except user_error_types() as err:
         error = str(err)
-    errors = comm.allgather(error)
+    from hpctrain import trace
+
+    # a span: a stall report names the ranks waiting here and the one that has not come
+    with trace.span("startup_check", "other", comm="world_comm"):
+        errors = comm.allgather(error)
     if any(e is not None for e in errors):
         if comm.Get_rank() == 0:
             by_message: dict[str, list[int]] = {}
@@ -125,8 +137,17 @@ def abort_on_error(comm: Any):
             sys.stderr.flush()
             code = EXIT_CRASH
         if size > 1:
-            comm.Abort(code)
+            abort(comm, code)
         sys.exit(code)
+
+
+def abort(comm: Any, code: int) -> None:
+    """``comm.Abort(code)`` once this rank's output has had ``ABORT_DRAIN_S`` to reach
+    the launcher (what a rank printed last says why the job ended)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_DRAIN_S)
+    comm.Abort(code)
 
 
 def set_blas_threads(threads: int) -> int:
@@ -245,18 +266,22 @@ def finalize_on_exit(timeout: float | None = None):
     started it (``hpctrain``'s entry point, ``cli.run``; mpi4py imported and initialized).
 
     On a normal return or a ``SystemExit`` (every way an hpctrain command ends other
-    than ``MPI_Abort``, and one all ranks take together), every pair of ranks exchanges
-    a byte (jobs up to ``FINALIZE_WIRE_MAX_RANKS``: an endpoint never used can hang
-    the finalize), the ranks meet in a barrier, pause ``FINALIZE_SETTLE_S`` and call
-    ``MPI_Finalize`` with the GIL released (through ctypes; mpi4py's own ``Finalize``
-    holds it), while a thread waits: if it has not returned after ``timeout`` seconds,
-    the rank says so and leaves with the command's status (``os._exit``). The ranks
-    still inside the finalize leave the same way when their own time is up. Without
-    this a job whose work is done and saved can stay in its allocation until the time
-    limit (UCX 1.13's TCP transport sometimes never finishes closing its endpoints;
-    DEVELOPERS.md). Any other exception (one the command's own ``abort_on_error`` did
-    not see) passes through as it is on a single rank; with more ranks it ends the job
-    as ``abort_on_error`` does, since the others may be waiting for this rank."""
+    than ``MPI_Abort``, and one all ranks take together), the ranks wait for each other
+    at most ``timeout`` seconds (``meet_before_finalize``): a rank that does not come
+    is named and the job ended (``MPI_Abort``, the command's status if an error, else
+    ``watchdog.EXIT_STALLED``), since the others would wait for it for good. Then
+    every pair of ranks exchanges a byte (jobs up to ``FINALIZE_WIRE_MAX_RANKS``: an
+    endpoint never used can hang the finalize), the ranks meet in a barrier, pause
+    ``FINALIZE_SETTLE_S`` and call ``MPI_Finalize`` with the GIL released (through
+    ctypes; mpi4py's own ``Finalize`` holds it), while a thread waits: if it has not
+    returned after ``timeout`` seconds, the rank says so and leaves with the command's
+    status (``os._exit``). The ranks still inside the finalize leave the same way when
+    their own time is up. Without this a job whose work is done and saved can stay in
+    its allocation until the time limit (UCX 1.13's TCP transport sometimes never
+    finishes closing its endpoints; DEVELOPERS.md). Any other exception (one the
+    command's own ``abort_on_error`` did not see) passes through as it is on a single
+    rank; with more ranks it ends the job as ``abort_on_error`` does, since the others
+    may be waiting for this rank."""
     if timeout is None:
         try:
             timeout = finalize_timeout()
@@ -293,8 +318,18 @@ def _running_world() -> Any:
     return MPI.COMM_WORLD
 
 
-def meet_before_finalize(comm) -> None:
-    """What every rank does right before ``MPI_Finalize`` in ``finalize_on_exit``."""
+def meet_before_finalize(comm, within: float | None = None) -> list[int]:
+    """What every rank does right before ``MPI_Finalize`` in ``finalize_on_exit``.
+
+    First each rank tells rank 0 it has arrived and waits for rank 0's word that all
+    have (point-to-point on ``comm``: never matched with a collective a late rank may
+    still be in). ``within``: rank 0 waits that many seconds for the others, the
+    others twice that for rank 0; then the ranks that have not arrived are returned
+    (rank 0: the missing ranks; another rank: [0]) and nothing else is done. Else the
+    ranks meet in their last collectives and [] is returned."""
+    missing = _arrive(comm, within)
+    if missing:
+        return missing
     size = comm.Get_size()
     # a message between every pair of ranks first: MPI opens a pair's connection at its
     # first message, and MPICH 4.0 over UCX's TCP transport closes every endpoint in
@@ -310,6 +345,45 @@ def meet_before_finalize(comm) -> None:
     # hang there in 9 of 10 4-rank jobs; with 20 ms between, none (DEVELOPERS.md)
     comm.Barrier()
     time.sleep(FINALIZE_SETTLE_S)
+    return []
+
+
+def _arrive(comm, within: float | None) -> list[int]:
+    """``meet_before_finalize``'s arrival: the ranks not there in time (see there)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return []
+    byte = bytearray(1)
+    if rank == 0:
+        pending = {r: comm.Irecv(bytearray(1), source=r, tag=ARRIVED_TAG)
+                   for r in range(1, size)}
+        missing = _wait_for(pending, within)
+        if missing:
+            return missing
+        from mpi4py import MPI
+
+        MPI.Request.Waitall([comm.Isend(byte, dest=r, tag=ARRIVED_TAG)
+                             for r in range(1, size)])
+        return []
+    comm.Send(byte, dest=0, tag=ARRIVED_TAG)
+    # longer than rank 0 waits for the others: a late rank is named by rank 0
+    return _wait_for({0: comm.Irecv(byte, source=0, tag=ARRIVED_TAG)},
+                     None if within is None else 2 * within)
+
+
+def _wait_for(requests: dict, within: float | None) -> list[int]:
+    """Test ``requests`` (by rank) until all completed, or ``within`` seconds passed:
+    the ranks whose request has not completed."""
+    deadline = None if within is None else time.monotonic() + within
+    while requests:
+        requests = {r: req for r, req in requests.items() if not req.Test()}
+        if requests and deadline is not None and time.monotonic() > deadline:
+            for req in requests.values():
+                req.Cancel()
+            return sorted(requests)
+        if requests:
+            time.sleep(ARRIVAL_POLL_S)
+    return []
 
 
 def _finalize_within(status: int, timeout: float) -> None:
@@ -320,8 +394,10 @@ def _finalize_within(status: int, timeout: float) -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
-    meet_before_finalize(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
+    missing = meet_before_finalize(comm, within=timeout)
+    if missing:
+        _end_without(comm, missing, status, 2 * timeout if rank else timeout)
     returned = threading.Event()
 
     def watch() -> None:
@@ -341,6 +417,23 @@ def _finalize_within(status: int, timeout: float) -> None:
     # call releases the GIL, so the thread above can act while this one waits
     ctypes.CDLL(MPI.__file__).MPI_Finalize()
     returned.set()
+
+
+def _end_without(comm, missing: list[int], status: int, waited: float) -> None:
+    """This rank's command ended with ``status``; ``missing`` did not come to the end
+    within ``waited`` seconds: say so and end the job (``MPI_Abort``), with ``status``
+    if it is an error, else ``watchdog.EXIT_STALLED``."""
+    from hpctrain.watchdog import EXIT_STALLED
+
+    rank = comm.Get_rank()
+    who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {_ranges(missing)}"
+    has = "has" if len(missing) == 1 else "have"
+    code = status or EXIT_STALLED
+    os.write(2, f"[rank {rank}] the command ended on this rank (status {status}), but {who} "
+                f"{has} not come to the end after {waited:g} s (stuck after the stall "
+                f"watchdog stopped, or waiting in an operation a rank left): ending the "
+                f"job with status {code} ({FINALIZE_TIMEOUT_ENV} sets the wait)\n".encode())
+    abort(comm, code)
 
 
 def keep_status_for_hydra(status: int) -> None:

@@ -13,6 +13,7 @@ import functools
 import json
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from hpctrain.checkpoint.format import INDEX_NAME
 from hpctrain.checkpoint.retention import NO_PRUNING, Retention
 from hpctrain.checkpoint.state import schedule_of
 from hpctrain.checkpoint.training import checkpoint_root
+from hpctrain.checkpoint.writer import arrive
 from hpctrain.config import Config
 from hpctrain.data import eval_batches, open_loader
 from hpctrain.data.contents import check_fits, read_contents
@@ -436,29 +438,61 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     nn_kernels.load(cfg.model.dtype)  # numba's machine code now, not in the first step
     memory = None
     if cfg.train.memory_report:  # traced from here: the engine's arrays included
-        from hpctrain.memreport import MemoryReport, chain
+        from hpctrain.memreport import MemoryReport
 
         memory = MemoryReport(cfg, comm)
     topo = Topology.build(comm, cfg.parallel)
+    tracer = trace.Tracer(keep_events=False)  # the start-up's phases: timed, not traced
+    # from here to the end, every phase is timed against the stall timeout: the
+    # start-up's (a rank stuck opening the data or loading the checkpoint leaves the
+    # others in startup_check's collective), each step, and the work between and after
+    watch = watchdog.start(topo, tracer, cfg.train.stall_timeout)
+    try:
+        summary = _run(cfg, comm, topo, tracer, memory, quiet=quiet, resume=resume,
+                       reset_schedule=reset_schedule, trace_path=trace_path,
+                       after_step=after_step, resume_hint=resume_hint)
+        # the ranks leave together, still watched: rank 0's last work (a long trace to
+        # write, say) is bounded by the stall timeout, not by the finalize's shorter
+        # wait for the ranks that come to the end (runtime.meet_before_finalize)
+        with trace.recording(tracer), trace.span("end_of_run", "other", comm="world_comm"):
+            arrive(comm)
+    finally:
+        watch.stop()
+    if memory is not None:
+        memory.stop()
+    topo.free()
+    return summary
+
+
+def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *,
+         quiet: bool, resume: str | None, reset_schedule: bool, trace_path: str | None,
+         after_step, resume_hint: str) -> Summary:
+    """``train`` from the start-up's phases to the metrics file's last line, under the
+    watchdog of ``tracer``'s phases (collective)."""
     nodes = topo.nodes
     threads = set_blas_threads(cfg.train.blas_threads
                                or blas_threads_per_rank(nodes.ranks_on_node))
     keep_freed_memory()
     if cfg.train.row_threads:
         nn_threads.set_threads(cfg.train.row_threads)
-    loader, val = startup_check(comm, lambda: _open_data(cfg, topo))
+    with _phase(tracer, "open_data"):
+        loader, val = startup_check(comm, lambda: _open_data(cfg, topo))
 
     # a layout the model cannot take in ways only its built pieces show (recomputing a
     # piece with running statistics, or attention where there is none): every rank
     # builds the whole model first, so all refuse alike, in one line
-    engine = startup_check(comm, lambda: build_engine(cfg, topo))
+    with _phase(tracer, "build_model"):
+        engine = startup_check(comm, lambda: build_engine(cfg, topo))
     dp = make_data_parallel(cfg, engine, topo)
     if memory is not None:
+        from hpctrain.memreport import chain
+
         memory.attach(engine, dp, topo)
         after_step = chain(after_step, memory.after_step)
     t = cfg.train
     sched = schedule_of(cfg)  # lr_at's keyword arguments; a resumed run keeps its own
-    resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
+    with _phase(tracer, "load_checkpoint"):
+        resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
     first = 1 if resumed is None else resumed.step + 1
     if resumed is not None and not reset_schedule:
         sched = resumed.schedule
@@ -475,7 +509,9 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         if not quiet:
             _announce(writer, cfg, comm, topo, nodes, threads, engine, dp, resumed, sched)
 
-    loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, trace_path,
+    tracer.take_totals()  # the start-up's seconds are no step's
+    tracer.keep_events = trace_path is not None  # the trace shows the steps
+    loop = _Loop(cfg, comm, topo, engine, dp, loader, writer, quiet, sched, tracer,
                  after_step, resume_hint)
     if resumed is not None and loop.shares is not None:
         saved = resumed.meta.get("shares")
@@ -496,27 +532,23 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     trace.align_origin(comm, loop.tracer)
     start = time.perf_counter()
     stop, step = 0, first - 1
-    watch = watchdog.start(topo, loop.tracer, t.stall_timeout)  # each step and the gap after
-    try:
-        steps = range(first, t.steps + 1)
-        stop = (early or preempt.agreed(comm)) if steps else 0  # during start-up
+    steps = range(first, t.steps + 1)
+    stop = (early or preempt.agreed(comm)) if steps else 0  # during start-up
+    if stop:
+        loop.stop_at_start(stop)
+        steps = range(0)
+    for step in steps:
+        record = loop.step(step)
+        if val is not None and (step % t.eval_interval == 0 or step == t.steps):
+            loop.evaluate(step, val, record)
+        loop.report(record)
+        saved = bool(t.save_interval) and (step % t.save_interval == 0 or step == t.steps)
+        if saved:
+            saved = loop.save(step, record["loss"])
+        stop = preempt.agreed(comm) if step < t.steps else 0
         if stop:
-            loop.stop_at_start(stop)
-            steps = range(0)
-        for step in steps:
-            record = loop.step(step)
-            if val is not None and (step % t.eval_interval == 0 or step == t.steps):
-                loop.evaluate(step, val, record)
-            loop.report(record)
-            saved = bool(t.save_interval) and (step % t.save_interval == 0 or step == t.steps)
-            if saved:
-                saved = loop.save(step, record["loss"])
-            stop = preempt.agreed(comm) if step < t.steps else 0
-            if stop:
-                loop.stop_preempted(step, saved, stop)
-                break
-    finally:
-        watch.stop()
+            loop.stop_preempted(step, saved, stop)
+            break
     loop.wait_for_save()  # the last write lands first
     preempted = bool(stop)
     if not preempted:
@@ -540,11 +572,17 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         if memory is not None and memory.last and not quiet:
             writer.say(memory.table())
         writer.close()
-    if memory is not None:
-        memory.stop()
-    topo.free()
     return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted,
                    bool(stop & preempt.INTERRUPTED))
+
+
+@contextmanager
+def _phase(tracer: trace.Tracer, name: str):
+    """A phase of the start-up (``watchdog.STARTUP``): a span the watchdog times, with
+    the spans inside it (``startup_check``'s collective) recorded, so that a stall
+    report says who waits there and who has not come."""
+    with trace.recording(tracer), tracer.span(name, "other"):
+        yield
 
 
 def _stopped_by(stop: int) -> str:
@@ -562,7 +600,7 @@ class _Loop:
     metrics writer (None elsewhere)."""
 
     def __init__(self, cfg: Config, comm, topo: Topology, engine, dp, loader, writer,
-                 quiet: bool, sched: dict, trace_path: str | None, after_step,
+                 quiet: bool, sched: dict, tracer: trace.Tracer, after_step,
                  resume_hint: str = "--resume auto"):
         t = cfg.train
         self.cfg, self.comm, self.topo, self.engine, self.dp = cfg, comm, topo, engine, dp
@@ -578,7 +616,7 @@ class _Loop:
                                    writes=comm.Get_rank() == 0)
         self.background = (BackgroundWriter(topo.ckpt_comm, overlap=True) if t.async_save
                            else None)
-        self.tracer = trace.Tracer(keep_events=trace_path is not None)
+        self.tracer = tracer  # the watchdog's too (train)
         self.shares = (ShareBalancer(cfg.parallel, t.batch_size, topo.dp_comm, loader,
                                      multiple=getattr(dp, "unit", None))
                        if cfg.parallel.shares != "equal" else None)

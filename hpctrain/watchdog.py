@@ -26,10 +26,15 @@ C call holding the GIL, stopped, or dead) prints its own report and ends the job
 itself. Nothing is sent while steps complete: the cost is one ``Iprobe`` per rank
 per ``poll`` seconds and the tracer's list append and pop per span.
 
-What is timed: each step (the ``step`` span: data, forward, backward, gradient
-reduction, optimizer), and separately the work from its end to the next step's start
-(the metrics all-reduce, evaluation, checkpoint saves, the preemption check), each
-against the timeout. Only the step opens spans, so after a step the report has the
+What is timed, each against the timeout: each phase of the start-up (``STARTUP``:
+opening the data, building the model, loading the checkpoint; a rank stuck reading a
+slow file system there leaves the others in ``startup_check``'s collective), each
+step (the ``step`` span: data, forward, backward, gradient reduction, optimizer), and
+separately the work from the end of one of these to the start of the next (after the
+start-up: building the data-parallel wrapper, evaluating the starting point; after a
+step: the metrics all-reduce, evaluation, checkpoint saves, the preemption check;
+after the last step: the last checkpoint write, the trace, the metrics file). Only
+these phases and the step's parts open spans, so between them the report has the
 main thread's Python frames but no operation names. The watchdog stops when
 ``stop()`` is called or when the function that started it (``train``) is no longer
 on the main thread's stack (it raised): a watchdog never outlives its run.
@@ -64,6 +69,11 @@ from hpctrain import trace
 
 EXIT_STALLED = 5
 REPORT, ASK = 1, 2  # message tags on watch_comm
+STEP = "step"
+# the start-up's phases, outermost spans before the first step (step None): what each does
+STARTUP = {"open_data": "opening the data", "build_model": "building the model",
+           "load_checkpoint": "loading the checkpoint"}
+TIMED = (STEP, *STARTUP)  # the outermost spans timed while open
 
 # communicator of a span that names none: its category's
 _COMM_OF_CAT = {"tp_comm": "tp_comm", "pp_wait": "pp_comm", "dp_comm": "dp_comm"}
@@ -80,7 +90,9 @@ _OPERATIONS = {
     "loss_bcast": "loss broadcast from the last stage",
     "tied_grads": "exchange of the tied embedding's gradient",
     "grad_norm": "gradient-norm all-reduce", "loss_mean": "loss all-reduce",
-    "finite_check": "agreement on a finite step (hpctrain.guard)"}
+    "finite_check": "agreement on a finite step (hpctrain.guard)",
+    "startup_check": "agreement on the start-up's errors",
+    "end_of_run": "the ranks' meeting at the end of the run"}
 _SHOWN_ARGS = ("mb", "chunk", "peer", "comm")
 HINT = ("A stall is usually one rank not calling the operation the others wait in (stuck "
         "I/O, a hang, a rank-dependent branch): a longer --stall-timeout helps only if "
@@ -107,11 +119,13 @@ class Report:
 
 
 def phase_of(position: trace.Position, now: float,
-             span: str = "step") -> tuple[int | None, bool, float] | None:
+             span: str | tuple[str, ...] = TIMED) -> tuple[int | None, bool, float] | None:
     """``(step, in_step, seconds in that phase)`` of a tracer position at ``now``
-    (``perf_counter``): inside the outermost ``span``, or after the last one closed;
-    None before the first."""
-    if position.spans and position.spans[0][0] == span:
+    (``perf_counter``): inside an outermost ``span`` (a name or several), or after the
+    last outermost span closed; None before the first. A start-up phase is
+    ``(None, True, s)``, the work after it ``(None, False, s)``."""
+    names = (span,) if isinstance(span, str) else span
+    if position.spans and position.spans[0][0] in names:
         return position.step, True, now - position.spans[0][3]
     if position.closed is not None:
         step, end = position.closed
@@ -120,7 +134,8 @@ def phase_of(position: trace.Position, now: float,
 
 
 def make_report(rank: int, position: trace.Position, now: float, *,
-                frames: tuple[str, ...] = (), span: str = "step", **where) -> Report:
+                frames: tuple[str, ...] = (), span: str | tuple[str, ...] = TIMED,
+                **where) -> Report:
     """This rank's report from its tracer's position (``where``: coords, shape, host,
     pid)."""
     phase = phase_of(position, now, span)
@@ -184,7 +199,7 @@ def describe_wait(op: str, comm: str) -> str:
 
 def phase_label(report: Report) -> str:
     if report.step is None:
-        return "before the first step"
+        return "start-up" if report.in_step else "before the first step"
     return f"step {report.step}" if report.in_step else f"after step {report.step}"
 
 
@@ -192,7 +207,7 @@ def where(report: Report, note: str = "") -> str:
     """``in F (mb 0) > all_reduce (step 3), at FRAME``: the open spans inside the
     step, and the innermost Python frame; ``after step 2, at FRAME`` between steps.
     ``note`` goes before the frame."""
-    inner = [_span_label(name, args) for name, _, args in report.spans if name != "step"]
+    inner = [_span_label(name, args) for name, _, args in report.spans if name != STEP]
     at = f", at {report.frames[0]}" if report.frames else ""
     if inner:
         return f"in {' > '.join(inner)} ({phase_label(report)}){note}{at}"
@@ -206,8 +221,8 @@ def _span_label(name: str, args: dict) -> str:
 
 def _progress(report: Report) -> tuple[int, int]:
     """Order of the points of a run: step 3 < after step 3 < step 4."""
-    if report.step is None:
-        return (-1, 1)
+    if report.step is None:  # start-up, then the work before the first step
+        return (-1, 0 if report.in_step else 1)
     return (report.step, 0 if report.in_step else 1)
 
 
@@ -223,9 +238,7 @@ def diagnose(reports: dict[int, Report], size: int, timeout: float) -> str:
     front = max(_progress(r) for r in reports.values())
     latest = max(reports.values(), key=_progress)
     seconds = max(r.seconds for r in reports.values() if _progress(r) == front)
-    what = (f"step {latest.step} has not completed" if latest.in_step else
-            f"the work after step {latest.step} (metrics, evaluation, checkpoint, "
-            f"preemption check) has not completed")
+    what = _what(latest)
     lines = [f"stall: {what} after {seconds:.1f} s (stall timeout {timeout:g} s); "
              f"ending the job"]
     waits: dict[tuple[str, str], list[int]] = {}
@@ -268,6 +281,20 @@ def diagnose(reports: dict[int, Report], size: int, timeout: float) -> str:
     return "\n".join(lines)
 
 
+def _what(latest: Report) -> str:
+    """What has not completed, from the report of a rank at the latest point."""
+    if latest.step is None and latest.in_step:
+        phase = latest.spans[0][0] if latest.spans else ""
+        return f"the start-up ({STARTUP.get(phase, phase)}) has not completed"
+    if latest.step is None:
+        return ("the work before the first step (data-parallel set-up, evaluation of the "
+                "starting point) has not completed")
+    if latest.in_step:
+        return f"step {latest.step} has not completed"
+    return (f"the work after step {latest.step} (metrics, evaluation, checkpoint, "
+            f"preemption check, the end of the run) has not completed")
+
+
 def _late(report: Report, behind: bool) -> str:
     if behind:
         return f"still {where(report)}"
@@ -293,7 +320,7 @@ def _waiting_untraced(reports: dict[int, Report], idle: list[int]) -> list[str]:
 def _during(reports: dict[int, Report], ranks: list[int]) -> str:
     """`` during F (mb 0)``: the spans around the ranks' wait, if the same for all."""
     around = {tuple(_span_label(name, args) for name, _, args in reports[r].spans[:-1]
-                    if name != "step") for r in ranks}
+                    if name != STEP) for r in ranks}
     if len(around) != 1:
         return ""
     inner = around.pop()
@@ -356,7 +383,7 @@ class Watchdog:
                  coords: tuple[int, int, int] | None = None,
                  shape: tuple[int, int, int] | None = None, grace: float | None = None,
                  poll: float | None = None, abort: Callable[[int], Any] | None = None,
-                 out: Any = None, span: str = "step"):
+                 out: Any = None, span: str | tuple[str, ...] = TIMED):
         if timeout <= 0:
             raise ValueError(f"timeout ({timeout}) must be positive")
         self.comm, self.tracer, self.timeout, self.span = comm, tracer, float(timeout), span
@@ -495,7 +522,9 @@ class Watchdog:
         out.flush()
 
     def _mpi_abort(self, code: int) -> None:
-        self.comm.Abort(code)
+        from hpctrain.runtime import abort
+
+        abort(self.comm, code)
 
 
 class NullWatchdog:

@@ -44,6 +44,26 @@ def test_an_error_on_one_rank_outside_abort_on_error_ends_the_job():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.parametrize("stuck, ranks, says", [
+    (1, 2, "[rank 0] the command ended on this rank (status 0), but rank 1 has not come "
+           "to the end after 2 s"),
+    (2, 4, "[rank 0] the command ended on this rank (status 0), but rank 2 has not come "
+           "to the end after 2 s"),
+    (0, 2, "[rank 1] the command ended on this rank (status 0), but rank 0 has not come "
+           "to the end after 4 s")])
+def test_a_rank_that_never_comes_to_the_end_is_named_and_the_job_ends(stuck, ranks, says):
+    """The others wait for it in their last collectives: without a bound the job hung
+    for as long as it was stuck (a rank stuck after train's watchdog stopped)."""
+    start = time.monotonic()
+    result = run_mpi(ranks, [sys.executable, str(JOB), "--timeout", "2", "--stuck", str(stuck),
+                             "--sleep", "120"], timeout=60)
+    took = time.monotonic() - start
+    assert f"rank {stuck} stuck for 120 s" in result.stderr, result.stderr
+    assert says in result.stderr, result.stderr
+    assert result.returncode == 5, result.stderr  # watchdog.EXIT_STALLED: not a success
+    assert took < 30, took
+
+
 def test_a_finalize_that_returns_keeps_the_status_and_says_nothing():
     for status in (0, 3):
         result = run_mpi(2, [sys.executable, str(JOB), "--timeout", "20",

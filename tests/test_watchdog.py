@@ -153,7 +153,8 @@ def test_untraced_waits_after_a_step_the_largest_group_at_one_place_waits():
     reports[1] = report(1, step=2, in_step=False, frames=("job.py:32 in slow",))
     lines = lines_of(diagnose(reports, 4, timeout=2))
     assert lines[0].startswith("stall: the work after step 2 (metrics, evaluation, "
-                               "checkpoint, preemption check) has not completed")
+                               "checkpoint, preemption check, the end of the run) has "
+                               "not completed")
     assert lines[1] == "  ranks 0, 2, 3 are after step 2, at train.py:128 in mean_over"
     assert lines[2] == ("  rank 1 has not arrived: it is after step 2, not in a traced "
                         "communication, at job.py:32 in slow")

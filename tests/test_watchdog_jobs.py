@@ -102,6 +102,37 @@ def test_rank_0_sleeping_after_a_step_is_found_by_its_own_watchdog(configs, tmp_
         "a traced communication, at watchdog_job.py" in err, err
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_rank_stuck_opening_the_data_is_named_and_the_job_ends(configs, tmp_path, ranks):
+    # before the first step: the others wait in startup_check's allgather for good
+    code, err, seconds = stall(configs[0], tmp_path / "run", ranks, timeout=2.0, rank=1,
+                               at=1, where="open")
+    assert code != 0 and seconds <= 2.0 + 10, (seconds, err)
+    assert "stall: the start-up (opening the data) has not completed after" in err, err
+    assert re.search(r"^  rank 1 \(.*\): start-up, .*: open_data \| watchdog_job.py", err,
+                     re.M), err
+    waiting = "rank 0 waits" if ranks == 2 else "ranks 0, 2, 3 wait"
+    assert (f"  {waiting} in startup_check (agreement on the start-up's errors over every "
+            f"rank) during open_data for rank 1") in err, err
+    assert "  rank 1 has not arrived: it is in open_data (start-up), not in a traced " \
+        "communication, at watchdog_job.py" in err, err
+
+
+def test_a_rank_stuck_after_the_last_step_is_named_and_the_job_ends(configs, tmp_path):
+    # the last save, the trace and the loader's close come after the loop; the other
+    # ranks wait for it in the meeting at the end of the run, still watched (before,
+    # they had left their run and its watchdog, and waited in the finalize for good)
+    code, err, seconds = stall(configs[0], tmp_path / "run", 4, timeout=2.0, rank=2, at=1,
+                               where="close")
+    assert code != 0 and seconds <= 2.0 + 10, (seconds, err)
+    assert "stall: the work after step 5 (metrics, evaluation, checkpoint, preemption " \
+        "check, the end of the run) has not completed after" in err, err
+    assert "ranks 0, 1, 3 wait in end_of_run (the ranks' meeting at the end of the run " \
+        "over every rank) for rank 2" in err, err
+    assert re.search(r"^  rank 2 \(.*\): after step 5, .* \| watchdog_job.py:\d+ in slow",
+                     err, re.M), err
+
+
 def test_a_slow_step_under_the_timeout_completes(configs, tmp_path):
     code, err, _ = stall(configs[0], tmp_path / "run", 2, timeout=4.0, rank=1, at=2,
                          where="data", sleep=1.5)

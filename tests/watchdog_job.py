@@ -1,11 +1,13 @@
 """A training job in which one rank stalls, for ``test_watchdog_jobs.py``.
 
     mpiexec -n N python tests/watchdog_job.py CONFIG RUN_DIR --stall-timeout S \\
-        --rank R --at K --sleep SECONDS --where data|forward|eval [--dp D --tp T --pp P]
+        --rank R --at K --sleep SECONDS --where data|forward|eval|open|close \
+        [--dp D --tp T --pp P]
 
 Rank R sleeps SECONDS in its K-th batch read (``data``), in the forward of the first
-microbatch of its K-th step (``forward``) or in its K-th evaluation, after step K
-(``eval``), and first prints ``sleeping at <time.time()>`` to stderr. Nothing of MPI
+microbatch of its K-th step (``forward``), in its K-th evaluation, after step K
+(``eval``), while it opens the data at the start (``open``) or closes the loader after
+the last step (``close``), and first prints ``sleeping at <time.time()>`` to stderr. Nothing of MPI
 is replaced: the stall is a real sleep inside ``hpctrain.train.train``.
 """
 
@@ -58,8 +60,19 @@ def inject(where: str, at: int, seconds: float) -> None:
             return engine
 
         train_mod.build_engine = built
-    else:
+    elif where == "eval":
         train_mod.evaluate = sleep_on_call(train_mod.evaluate, at + 1, seconds)  # 1: step 0
+    elif where == "open":
+        train_mod._open_data = sleep_on_call(train_mod._open_data, 1, seconds)
+    else:  # "close", after the last step
+        open_loader = train_mod.open_loader
+
+        def closing(*args, **kwargs):
+            loader = open_loader(*args, **kwargs)
+            loader.close = sleep_on_call(loader.close, 1, seconds)
+            return loader
+
+        train_mod.open_loader = closing
 
 
 def main() -> None:
@@ -70,7 +83,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--at", type=int, required=True)
     parser.add_argument("--sleep", type=float, required=True)
-    parser.add_argument("--where", choices=("data", "forward", "eval"), default="data")
+    parser.add_argument("--where", choices=("data", "forward", "eval", "open", "close"),
+                        default="data")
     for axis in ("dp", "tp", "pp"):
         parser.add_argument(f"--{axis}", type=int)
     args = parser.parse_args()
