@@ -37,6 +37,7 @@ import pytest
 from hpctrain.cluster import lifecycle, net
 from hpctrain.cluster import spec as spec_mod
 from hpctrain.metrics import read_metrics
+from hpctrain.testing import tiny_dlrm_config
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the SLURM cluster runs on emulated nodes, which need root: "
@@ -305,17 +306,15 @@ def test_a_chain_whose_preparation_fails_cancels_its_training(cluster, tmp_path)
     assert fields["Reason"] == "DependencyNeverSatisfied", fields["Reason"]
 
 
-def test_cross_validation_runs_through_the_template(cluster, tmp_path):
+def test_cross_validation_runs_through_the_template(cluster, ratings_h5, tmp_path):
     # COMMAND=cv: `hpctrain cv ... --resume`, which starts fresh folds and, after a
-    # requeue, continues the stopped one
-    cfg = tmp_path / "dlrm.toml"
-    text = (ROOT / "configs" / "dlrm-movielens.toml").read_text()
-    assert text.count('path = "data/movielens.h5"') == 1
-    cfg.write_text(text.replace('path = "data/movielens.h5"',
-                                f'path = "{ROOT / "data" / "movielens.h5"}"'))
+    # requeue, continues the stopped one (a ratings file of the suite's own: a clean
+    # clone's `make test` prepares no MovieLens)
+    cfg = tiny_dlrm_config(tmp_path / "dlrm.toml", ratings_h5,
+                           "steps = 3\nbatch_size = 8\neval_interval = 3")
     job = sbatch(cluster, "train.sbatch", f"--chdir={tmp_path}", "--nodes=1",
                  "--ntasks-per-node=2", COMMAND="cv", CONFIG=cfg, RUN_DIR=tmp_path / "cv",
-                 TRAIN_ARGS="--folds 2 --steps 3")
+                 TRAIN_ARGS="--folds 2")
     fields = wait_for(cluster, job, timeout=120)
     log = (tmp_path / f"hpctrain-train-{job}.out").read_text()
     assert fields["JobState"] == "COMPLETED", job_report(cluster, job)
