@@ -52,14 +52,20 @@ def launch(cfg, run_dir, *extra, env=None):
                             preexec_fn=as_from_a_terminal)
 
 
+def wait_for_records(job, metrics: Path, n: int, *, within: float) -> None:
+    """Return once ``metrics`` holds ``n`` records; fail if ``job`` ends first or
+    ``within`` seconds pass."""
+    deadline = time.monotonic() + within
+    while not (metrics.exists() and len(read_metrics(metrics)) >= n):
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.05)
+
+
 def test_sigusr1_checkpoints_exits_3_and_resume_equals_uninterrupted(tmp_path):
     cfg = prepare(tmp_path)
     job = launch(cfg, tmp_path / "run", "--resume", "auto")
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and len(read_metrics(metrics)) >= 5):
-        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
-        time.sleep(0.05)
+    wait_for_records(job, metrics, 5, within=60)
     job.send_signal(signal.SIGUSR1)  # to mpiexec, which forwards it to every rank
     out, err = job.communicate(timeout=60)
     assert job.returncode == 3, err
@@ -108,10 +114,7 @@ def test_ctrl_c_checkpoints_exits_130_and_the_run_resumes(tmp_path):
     job = launch(cfg, tmp_path / "run", "--steps", str(steps),
                  env={preempt.ORTE_KILL_DELAY: "5"} if mpirun else None)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and len(read_metrics(metrics)) >= 5):
-        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
-        time.sleep(0.05)
+    wait_for_records(job, metrics, 5, within=60)
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=60)
     assert "Traceback" not in err
@@ -291,10 +294,7 @@ def test_cv_stopped_in_a_fold_resumes_there_and_ends_with_the_uninterrupted_rmse
     config = cv_config(tmp_path, ratings_h5)
     job = launch_cv(config, tmp_path / "cv")
     fold1 = tmp_path / "cv" / "fold1" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (fold1.exists() and len(read_metrics(fold1)) >= 5):
-        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
-        time.sleep(0.05)
+    wait_for_records(job, fold1, 5, within=120)
     job.send_signal(signal.SIGUSR1)  # to mpiexec, which forwards it to every rank
     out, err = job.communicate(timeout=60)
     assert job.returncode == preempt.EXIT_PREEMPTED, err  # before: it trained on, unsaved
