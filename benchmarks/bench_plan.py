@@ -40,7 +40,9 @@ one node. ``published`` prints the predictions for published runs on A100 nodes
 (``hpctrain/plan/published.py``;
 ``--cluster`` defaults to ``configs/clusters/a100-selene.toml`` there, and
 ``--gemm-efficiency`` replaces the description's to show how the table moves with it,
-``--intra-bandwidth`` the NVLink bandwidth of every collective inside a node).
+``--intra-bandwidth`` the NVLink bandwidth of every collective inside a node), then
+the same rows with one GEMM efficiency calibrated on the least parallel run and every
+other row predicted from it.
 ``scale`` times the planner itself (issue targets: every layout of 4,096 ranks on a
 two-kind cluster in under 10 s on one core; the chosen plan's per-rank timeline at
 1,024 ranks in under 5 s): the enumeration of a 48-layer d_model-4096 GPT on 32 + 32
@@ -412,10 +414,16 @@ def published(cluster_path: str | None, efficiency: float | None,
     links = (f", intra-node collectives at {intra_bandwidth / 1e9:g} GB/s"
              if intra_bandwidth is not None else "")
     machines = ", ".join(f"{c.name} ({paths[p]})" for p, c in sorted(clusters.items()))
-    practices = "; ".join(f"{name}: {pr}" for name, pr in pub.PRACTICES.items())
+    practices = "; ".join(f"{name}: {pr}" for name, pr in pub.PRACTICES.items()) + \
+        " (dp_overlap as each run's DDP: Row.ddp)"
+    fitted = pub.calibrated(pub.CALIBRATION, clusters)
     return (f"published runs on {machines}, GEMM efficiency {effs}{links}; one practice "
             f"per software, recomputing what each run did: {practices}\n"
-            + pub.report(clusters))
+            + pub.report(clusters)
+            + f"\n\nthe same, GEMM efficiency {fitted:.3f} on both machines: calibrated on "
+            f"the least parallel run ({pub.CALIBRATION.table} {pub.CALIBRATION.name}), "
+            f"every other row predicted\n"
+            + pub.report(pub.with_efficiency(clusters, fitted), calibration=pub.CALIBRATION))
 
 
 def two_kinds(fat: int, thin: int, cores: int = 64, memory_gib: float = 512.0):

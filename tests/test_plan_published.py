@@ -139,3 +139,55 @@ def test_bloom_is_its_job_script_and_its_log():
     sg = pub.predict(row, cluster, pub.MEGATRON)
     assert sum(r.time["p2p"] for r in p.estimate.ranks) > \
         sum(r.time["p2p"] for r in sg.estimate.ranks)
+
+
+def test_table_1_runs_as_its_scripts_ran_it():
+    """Megatron-LM's examples/sc21/run_table_1.sh: each row's microbatch, the
+    interleaved schedule's chunk of layers, PyTorch's DDP without a pipeline."""
+    t1 = [r for r in pub.ROWS if r.table == "Table 1"]
+    assert [r.microbatch for r in t1] == [16, 16, 16, 8, 4, 2, 2, 1, 1, 1]
+    assert [r.chunk_layers for r in t1] == [0, 0, 0, 0, 0, 5, 5, 3, 1, 0]
+    assert [r.virtual_stages for r in t1] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
+    assert [r.ddp for r in t1] == ["torch"] * 4 + ["local"] * 6
+    for r in t1:
+        par = pub.row_config(r).parallel
+        assert par.microbatches * r.microbatch * r.dp == r.batch
+        assert par.schedule == ("interleaved" if r.chunk_layers else "1f1b")
+        assert r.layers == r.pp * par.virtual_stages * (r.chunk_layers or r.layers // r.pp)
+        assert par.bucket_mb == (pub.TORCH_BUCKET_MB if r.ddp == "torch"
+                                 else pub.WHOLE_BUCKET_MB)
+
+
+def test_torch_ddp_sums_during_the_backward():
+    """A row without a pipeline sums its 25 MB buckets while the backward runs: less
+    exposed data-parallel time than the whole buffer summed after it."""
+    from dataclasses import replace
+
+    cluster = clusters()[pub.CLUSTER]
+    row = pub.ROWS[0]
+    overlapped = pub.predict(row, cluster).estimate
+    after = pub.predict(replace(row, ddp="local"), cluster).estimate
+    assert overlapped.ranks[0].time["dp"] < 0.5 * after.ranks[0].time["dp"]
+    assert overlapped.step_s < after.step_s
+
+
+def test_one_efficiency_calibrated_on_one_row():
+    """``calibrated`` finds the efficiency at which the row is predicted at its
+    published figure; the report shows that row but counts only the others."""
+    from dataclasses import replace
+
+    machines = clusters()
+    row = pub.CALIBRATION
+    assert (row.tp, row.pp) == (1, 1)
+    e = pub.calibrated(row, machines)
+    assert 0.3 < e < 0.8
+    fitted = pub.with_efficiency(machines, e)
+    assert abs(pub.predict(row, fitted[row.cluster]).error) < 1e-3
+    assert all(k.gemm_efficiency == e for c in fitted.values() for k in c.kinds.values())
+    text = pub.report(fitted, calibration=row)
+    line, = (x for x in text.splitlines() if x.startswith(f"{row.table}    {row.name} "))
+    assert line.endswith("(calibration)")
+    assert f"of {len(pub.ROWS) - 1} other rows within 15%" in text.splitlines()[-1]
+    # a row no efficiency can reach is refused with its figure named
+    with pytest.raises(ValueError, match="1000 TFLOP/s"):
+        pub.calibrated(replace(row, tflops=1000.0), machines)
