@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from hpctrain.nn.module import ALIGN
+
 TERMS = ("params", "grads", "optimizer", "buffers", "other", "activations")
 
 
@@ -54,8 +56,15 @@ class _Ledger:
             root = _root(a)
             if id(root) not in self.seen:
                 self.seen.add(id(root))
-                total += root.nbytes
+                total += a.nbytes if _aligned_carve(a, root) else root.nbytes
         return total
+
+
+def _aligned_carve(a: np.ndarray, root: np.ndarray) -> bool:
+    """Whether ``a`` is an array ``nn.module.aligned_empty`` made: its buffer is bytes,
+    ``ALIGN`` longer than it. It counts as its own bytes: the padding is the
+    allocator's, which the prediction (``plan.cost.predict_memory``) does not model."""
+    return root.dtype == np.uint8 and root.ndim == 1 and root.nbytes == a.nbytes + ALIGN
 
 
 def _arrays(obj: Any, depth: int = 4, seen: set | None = None):

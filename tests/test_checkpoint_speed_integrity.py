@@ -82,12 +82,16 @@ def held_copy(engine, dp) -> dict[str, np.ndarray]:
     return {h.name: h.array.copy() for h in held_tensors(engine, dp, 0, 1)}
 
 
-def test_version_3_is_one_flat_dataset_per_dtype_and_plain_hdf5(tmp_path):
+def test_version_4_is_one_flat_dataset_per_dtype_and_plain_hdf5(tmp_path):
     cfg, topo, engine, dp = serial(tmp_path)
     want = held_copy(engine, dp)
     path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
     with h5py.File(path / fmt.INDEX_NAME) as f:
-        assert f.attrs["version"] == 3 and f.attrs["checksum"] == "blocksum64"
+        assert f.attrs["version"] == 4 and f.attrs["checksum"] == "blocksum64"
+        # the piece table as arrays: one row, box and checksum per piece
+        n = len(want)
+        assert f["pieces"].shape == (n, 3) and f["checksums"].shape == (n,)
+        assert json.loads(f.attrs["datasets"]) == ["float64"]
     with Checkpoint(path) as ck:
         entries = list(ck.tensors.values())
     assert all(p.at is not None and p.dataset == "float64" for e in entries for p in e.pieces)
@@ -132,7 +136,7 @@ def test_a_flipped_last_byte_is_caught_by_the_raw_read(tmp_path):
 
 
 def as_old_version(path: Path, version: int) -> None:
-    """Rewrite a serial version 3 checkpoint as an older version wrote it: a dataset
+    """Rewrite a serial checkpoint as an older version wrote it: a dataset
     ``/<tensor>/<box>`` per piece; version 2 with blocksum64 checksums and each
     dataset's file offset as the sixth field, version 1 with sha256 checksums, no
     offsets and no ``checksum`` attribute."""
@@ -157,7 +161,7 @@ def as_old_version(path: Path, version: int) -> None:
     (path / fmt.INDEX_NAME).unlink()
     with h5py.File(path / fmt.INDEX_NAME, "w-") as f:
         fmt.write_index(f, step=index.step, meta=index.meta, files=index.files,
-                        tensors=entries)
+                        tensors=entries, version=3)  # the JSON table
         f.attrs["version"] = version
         if version == 1:
             del f.attrs["checksum"]
@@ -202,11 +206,96 @@ def test_an_unknown_version_is_refused_by_name(tmp_path):
     cfg, topo, engine, dp = serial(tmp_path)
     path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
     with h5py.File(path / fmt.INDEX_NAME, "r+") as f:
-        f.attrs["version"] = 4
-    with pytest.raises(CheckpointError, match=r"hpctrain.checkpoint version 4 is not "
+        f.attrs["version"] = 5
+    with pytest.raises(CheckpointError, match=r"hpctrain.checkpoint version 5 is not "
                                               r"supported \(this hpctrain reads versions "
-                                              r"1, 2, 3\)"):
+                                              r"1, 2, 3, 4\); a newer hpctrain wrote it"):
         Checkpoint(path)
+
+
+def test_a_version_3_checkpoint_its_table_in_json_still_loads_and_is_checked(tmp_path):
+    """Version 3: the data files as now, the piece table one JSON text."""
+    cfg, topo, engine, dp = serial(tmp_path)
+    want = held_copy(engine, dp)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state={"step": 1})
+    index = fmt.read_index(path / fmt.INDEX_NAME)
+    (path / fmt.INDEX_NAME).unlink()
+    with h5py.File(path / fmt.INDEX_NAME, "w-") as f:
+        fmt.write_index(f, step=index.step, meta=index.meta, files=index.files,
+                        tensors=list(index.tensors.values()), version=3)
+        assert list(f) == ["tensors"]
+    with h5py.File(path / fmt.data_filename(0), "r+") as f:
+        f.attrs["version"] = 3
+    _, _, engine2, dp2 = serial(tmp_path / "fresh")
+    for h in held_tensors(engine2, dp2, 0, 1):
+        h.array[...] = 0
+    assert load_training(path, cfg, topo, engine2, dp2).step == 1
+    got = held_copy(engine2, dp2)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    with Checkpoint(path) as ck:
+        assert ck.index.tensors["model/head.lm_head.weight"].table is None  # from JSON
+    file, offset, _ = piece_offset(path, "model/head.lm_head.weight")
+    with open(file, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointError, match=r"tensor model/head.lm_head.weight, piece "
+                                              r"0:16,0:32: checksum mismatch"):
+        load_training(path, cfg, topo, engine2, dp2)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "resized", "pointed"])
+def test_a_damaged_piece_table_is_refused(tmp_path, damage):
+    """Version 4's arrays: a changed byte fails the table's sha256; parts that disagree,
+    or a piece naming a file that is not in the index, are refused even with fresh
+    checksums; nothing is read either way."""
+    cfg, topo, engine, dp = serial(tmp_path)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    with h5py.File(path / fmt.INDEX_NAME, "r+") as f:
+        if damage == "flipped":
+            boxes = f["boxes"]
+            boxes[3] = boxes[3] + 1  # its sha256 now disagrees
+        else:
+            name = "boxes" if damage == "resized" else "pieces"
+            data = f[name][...]
+            if damage == "resized":
+                data = data[:-1]
+            else:
+                data[0, 0] = 7  # file 7 of 1
+            del f[name]
+            f.create_dataset(name, data=data)
+            sums = json.loads(f.attrs["table_sha256"])
+            f.attrs["table_sha256"] = json.dumps({**sums, name: fmt.sha256_array(data)})
+    problem = {"flipped": "dataset boxes fails its sha256 check",
+               "resized": "the piece table's parts disagree",
+               "pointed": "a piece names a file, a dataset or a position out of range"}
+    with pytest.raises(CheckpointError, match=r"index.h5: the piece table is incomplete or "
+                                              rf"corrupt \({problem[damage]}"):
+        load_training(path, cfg, topo, engine, dp)
+
+
+def test_the_piece_table_makes_pieces_only_when_asked(tmp_path):
+    """A version 4 index opens without making a Piece per piece (a large job's index
+    holds a quarter of a million); the pieces made on demand are the written ones."""
+    cfg, topo, engine, dp = serial(tmp_path)
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    entries = [fmt.TensorEntry(f"t{k}", "float32", (8 * 64, 3), None, 1, tuple(
+        fmt.Piece(f"f{r % 3}", ("float32", "other")[r % 2], (8 * r, 0), (8 * r + 8, 3),
+                  f"{r:032x}", None, None if r == 5 else 24 * r) for r in range(64)))
+        for k in range(3)]
+    entries.append(fmt.TensorEntry("scalar", "float64", (), None, 1,
+                                   (fmt.Piece("f1", "float64", (), (), "0" * 32, None, 0),)))
+    with h5py.File(path / "big.h5", "w-") as f:
+        fmt.write_index(f, step=1, meta={}, files=["f0", "f1", "f2"], tensors=entries)
+    index = fmt.read_index(path / "big.h5")
+    assert all(e._pieces is None for e in index.tensors.values())
+    for e in entries:
+        got = index.tensors[e.name]
+        assert (got.global_shape, got.dtype, len(got)) == (e.global_shape, e.dtype, len(e))
+        assert got.pieces == e.pieces
+        start, stop = got.bounds()
+        assert start.shape == stop.shape == (len(e), len(e.global_shape))
 
 
 def test_a_version_1_sha256_checkpoint_still_loads_and_is_checked(tmp_path):
@@ -310,3 +399,24 @@ def test_the_shares_of_the_checks_cover_every_run_once(tmp_path):
     path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
     with Checkpoint(path) as ck, pytest.raises(ValueError, match="share"):
         ck.read_held(held_tensors(engine, dp, 0, 1), share=(2, 2))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_held_arrays_are_64_byte_aligned_where_they_are_made(tmp_path, optimizer):
+    """Parameters and optimizer state start on 64-byte boundaries, as the pieces lie in
+    a data file (the kernel's copy out of the page cache is fastest so): made so by
+    ``Parameter`` and the optimizers, not copied at load; NumPy's own are 16-aligned."""
+    from hpctrain.nn.module import ALIGN, Parameter, aligned, aligned_empty
+
+    cfg, topo, engine, dp = serial(tmp_path, optimizer=optimizer)
+    held = held_tensors(engine, dp, 0, 1)
+    assert {h.name.split("/")[0] for h in held} == {"model", "optim"}
+    assert [h.name for h in held if h.array.ctypes.data % ALIGN] == []
+    odd = np.arange(17, dtype=np.float32)[1:]  # 4 bytes past an aligned start at best
+    assert odd.ctypes.data % ALIGN and aligned(odd).ctypes.data % ALIGN == 0
+    np.testing.assert_array_equal(aligned(odd), odd)
+    p = Parameter(odd.reshape(4, 4))
+    assert p.data.ctypes.data % ALIGN == 0 and p.data.flags.c_contiguous
+    same = aligned_empty((3, 5), np.float64, zeros=True)
+    assert aligned(same) is same and not same.any() and same.shape == (3, 5)
+    assert aligned_empty((), np.float32).shape == () and aligned_empty((0, 4), "f8").size == 0

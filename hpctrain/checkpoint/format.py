@@ -14,7 +14,7 @@ With parallel HDF5 (h5py built with MPI) the rank files are one ``data.h5`` that
 rank writes into, each tensor a dataset of its global shape; the index is the same.
 
 Every tensor is stored as *pieces*, boxes of its global array (``reshard``). A data
-file (version 3) holds one flat, contiguous, uncompressed dataset per dtype, named
+file (versions 3 and 4) holds one flat, contiguous, uncompressed dataset per dtype, named
 after it (``/float32``), with the pieces it holds back to back, each in C order: the
 piece ``[file, "float32", start, stop, checksum, at]`` is the elements ``[at, at +
 volume)`` of ``/float32`` (plain h5py: ``f["float32"][at:at + n].reshape(shape)``).
@@ -32,13 +32,29 @@ Tensor names: ``model/<parameter>`` and ``optim/<state>/<parameter>``
 The index (``index.h5``, or the root of a consolidated single file) holds, as root
 attributes, ``format``, ``version``, ``step``, ``checksum`` (the algorithm of the
 pieces' checksums, ``checksum_of``; absent in version 1: sha256) and JSON texts:
-``config``, ``layout``, ``loader``, ``schedule``, ``rng``, ``optimizer``, ``files``; and
-the dataset ``tensors``: a JSON text (uint8, with its ``sha256``), a list of ``{"name",
-"dtype", "global_shape", "tp_split", "tp_blocks", "pieces": [[file, dataset, start,
-stop, checksum, at], ...]}`` (``at``: version 3, the piece's first element in the flat
-dataset, or null: the dataset holds the box, or the global array; version 2: the
-piece's byte offset in the file; absent in version 1). Nothing is pickled: loading
-never executes code.
+``config``, ``layout``, ``loader``, ``schedule``, ``rng``, ``optimizer``, ``files``
+(the data files, relative to the index's folder; ``"."``: the index file itself).
+Version 4 (the data files as in version 3) keeps the piece table as arrays, parsed
+by NumPy in a few calls whatever the number of pieces (a job of 1,024 ranks writes
+a quarter of a million)::
+
+    tensors     uint8, a JSON text: [{"name", "dtype", "global_shape", "tp_split",
+                "tp_blocks", "pieces": n}, ...], n pieces each, in this order
+    pieces      int64 (N, 3): per piece its file (an index into ``files``), its
+                dataset (an index into the root attribute ``datasets``, a JSON list
+                of names) and ``at`` (-1: none)
+    boxes       int64 (sum of 2 ndim over the pieces,): per tensor, its pieces'
+                ``start`` then ``stop``, an (n, 2, ndim) block
+    checksums   S<w> (N,): each piece's checksum, ASCII hex
+
+and the root attributes ``datasets`` and ``table_sha256`` (a JSON object: each of the
+four datasets' sha256, checked before the table is used). Versions 1 to 3
+kept one JSON text in ``tensors``: ``{..., "pieces": [[file, dataset, start, stop,
+checksum, at], ...]}``, which took 0.5 s to parse and 0.4 s to turn into pieces at
+1,024 ranks (``benchmarks/bench_index.py``). ``at``: from version 3, the piece's
+first element in the flat dataset, or none: the dataset holds the box, or the global
+array; version 2: the piece's byte offset in the file; absent in version 1. Nothing
+is pickled: loading never executes code.
 
 Checksums. sha256 ran at 1.8 GB/s here, about a fifth of a save and more than a raw
 read of the same bytes from the page cache; zlib's crc32 at 4 GB/s is still more than
@@ -71,8 +87,11 @@ from hpctrain.data.format import DataError, lock_problem, sha256_array
 
 CHECKPOINT = "hpctrain.checkpoint"  # an index: index.h5, or a consolidated file
 DATA = "hpctrain.checkpoint-data"  # the pieces one rank (or all, with MPI-IO) wrote
-VERSION = 3  # 3: flat datasets; 2: a dataset per piece, offsets; 1: sha256, no offsets
-READABLE = (1, 2, 3)
+# 4: the index's piece table as arrays; 3: flat datasets; 2: a dataset per piece,
+# offsets; 1: sha256, no offsets
+VERSION = 4
+READABLE = (1, 2, 3, 4)
+TABLE_VERSION = 4  # the first version whose index keeps its piece table as arrays
 CHECKSUM = "blocksum64"  # what this version writes
 INDEX_NAME = "index.h5"
 LATEST_NAME = "latest"
@@ -99,15 +118,23 @@ _MASK = (1 << 64) - 1
 
 def blocksum64(a: np.ndarray) -> str:
     """The ``blocksum64`` of an array's bytes in C order (see the module docstring):
-    32 hex digits, ``A`` then ``B``."""
-    raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    n_words = raw.size // 8
-    n_blocks = n_words // _BLOCK_WORDS
-    cut = n_blocks * _BLOCK_WORDS * 8
-    sums = np.add.reduce(raw[:cut].view("<u8").reshape(n_blocks, _BLOCK_WORDS), axis=1)
-    tail = raw[cut:].tobytes() + bytes(-(raw.size - cut) % 8)  # < 4 KiB, zero-padded
-    if tail:  # the last, partial block
-        sums = np.append(sums, np.frombuffer(tail, "<u8").sum(dtype=np.uint64))
+    32 hex digits, ``A`` then ``B``. The block sums are one ``reduceat`` over the
+    64-bit words (the last block partial), the trailing bytes a zero-padded word: 5 us
+    of calls for a small array against 10 for a reshape, a tail copy and an append
+    (a load checks every piece: the benchmark GPT's 231)."""
+    raw = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1).view(np.uint8)
+    n_words, rest = divmod(raw.size, 8)
+    n_blocks = -(-n_words // _BLOCK_WORDS)
+    starts = (_STARTS[:n_blocks] if n_blocks <= len(_STARTS)
+              else np.arange(0, n_words, _BLOCK_WORDS, dtype=np.intp))
+    sums = (np.add.reduceat(raw[:8 * n_words].view("<u8"), starts) if n_words
+            else np.zeros(0, np.uint64))
+    if rest:  # the last word, zero-padded: in the last block, or a block of its own
+        last = np.uint64(int.from_bytes(raw[8 * n_words:].tobytes(), "little"))
+        if n_words % _BLOCK_WORDS:
+            sums[-1] += last
+        else:
+            sums = np.append(sums, last)
     return blocksum64_of_sums(sums)
 
 
@@ -156,6 +183,7 @@ def blocksum64_packed(data: np.ndarray, nbytes: list[int]) -> list[str] | None:
 
 
 _WEIGHTS = np.arange(1, 1 << 16, dtype=np.uint64)
+_STARTS = np.arange(0, 1 << 16, dtype=np.intp) * _BLOCK_WORDS  # each block's first word
 
 
 def _weights(n: int) -> np.ndarray:
@@ -200,8 +228,8 @@ def flat_name(dtype) -> str:
 
 class Piece(NamedTuple):
     """Box ``[start, stop)`` of a tensor, in dataset ``dataset`` of file ``file``.
-    ``at`` (version 3): its first element in the flat dataset; ``offset`` (version 2):
-    where its dataset's bytes start in the file. Neither: the dataset holds the box,
+    ``at`` (from version 3): its first element in the flat dataset; ``offset`` (version
+    2): where its dataset's bytes start in the file. Neither: the dataset holds the box,
     or the global array, read through HDF5. (A named tuple: an index of a thousand
     ranks holds a quarter of a million of them, made in a third of a dataclass's time.)"""
 
@@ -218,32 +246,129 @@ class Piece(NamedTuple):
         return tuple(zip(self.start, self.stop, strict=True))
 
 
-@dataclass(frozen=True)
+class PieceTable(NamedTuple):
+    """The piece table of a version 4 index, as read (one for all its tensors): row
+    ``r`` of ``rows`` is a piece's file (an index into ``files``), dataset (into
+    ``datasets``) and ``at`` (-1: none); ``boxes`` its start and stop, each tensor's
+    pieces an (n, 2, ndim) block; ``checksums`` (bytes, ASCII hex) its checksum."""
+
+    files: list[str]
+    datasets: list[str]
+    rows: np.ndarray  # (N, 3) int64
+    boxes: np.ndarray  # (sum of 2 ndim,) int64
+    checksums: np.ndarray  # (N,) bytes
+
+
 class TensorEntry:
-    name: str
-    dtype: str
-    global_shape: tuple[int, ...]
-    tp_split: int | None
-    tp_blocks: int
-    pieces: tuple[Piece, ...]
+    """One tensor of a checkpoint: its name, dtype, global shape, tensor-parallel split
+    and its pieces: ``pieces`` (Piece tuples), or, as read from a version 4 index,
+    rows ``[first, first + count)`` of the index's ``table`` (its boxes from
+    ``boxes_at`` on). Then no Piece is made until ``pieces`` is asked for, and
+    ``len``, ``box(k)``, ``checksum(k)``, ``where(k)`` and ``bounds()`` read the
+    arrays: opening the index of a large job makes none of its pieces."""
+
+    __slots__ = ("name", "dtype", "global_shape", "tp_split", "tp_blocks", "_pieces",
+                 "table", "first", "count", "boxes_at")
+
+    def __init__(self, name: str, dtype: str, global_shape: tuple[int, ...],
+                 tp_split: int | None, tp_blocks: int, pieces: tuple[Piece, ...] = (),
+                 table: PieceTable | None = None, first: int = 0, count: int = 0,
+                 boxes_at: int = 0):
+        self.name, self.dtype, self.global_shape = name, dtype, global_shape
+        self.tp_split, self.tp_blocks = tp_split, tp_blocks
+        self._pieces = None if table is not None else tuple(pieces)
+        self.table, self.first, self.count, self.boxes_at = table, first, count, boxes_at
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        if self._pieces is None:
+            self._pieces = tuple(self.piece(k) for k in range(self.count))
+        return self._pieces
+
+    def __len__(self) -> int:
+        """The number of pieces."""
+        return self.count if self._pieces is None else len(self._pieces)
+
+    def piece(self, k: int) -> Piece:
+        if self._pieces is not None:
+            return self._pieces[k]
+        file, dataset, at = self.where(k)
+        start, stop = zip(*self.box(k), strict=True) if self.global_shape else ((), ())
+        return Piece(file, dataset, start, stop, self.checksum(k), None, at)
+
+    def box(self, k: int) -> tuple[tuple[int, int], ...]:
+        """Piece k's box, without making the Piece."""
+        if self._pieces is not None:
+            return self._pieces[k].box
+        d = len(self.global_shape)
+        at = self.boxes_at + 2 * d * k
+        ends = self.table.boxes[at:at + 2 * d].tolist()
+        return tuple(zip(ends[:d], ends[d:], strict=True))
+
+    def checksum(self, k: int) -> str:
+        if self._pieces is not None:
+            return self._pieces[k].checksum
+        return self.table.checksums[self.first + k].decode()
+
+    def where(self, k: int) -> tuple[str, str, int | None]:
+        """Piece k's file, dataset and ``at`` (None: none)."""
+        if self._pieces is not None:
+            p = self._pieces[k]
+            return p.file, p.dataset, p.at
+        file, dataset, at = self.table.rows[self.first + k].tolist()
+        return self.table.files[file], self.table.datasets[dataset], None if at < 0 else at
+
+    def files(self) -> list[str]:
+        """The files its pieces are in, each once, in the pieces' order."""
+        if self._pieces is not None:
+            return list(dict.fromkeys(p.file for p in self._pieces))
+        mine = self.table.rows[self.first:self.first + self.count, 0]
+        return [self.table.files[k] for k in dict.fromkeys(mine.tolist())]
+
+    def whole(self) -> bool:
+        """Whether it is one piece, the whole tensor (most tensors: no tiling to check)."""
+        return len(self) == 1 and self.box(0) == tuple((0, n) for n in self.global_shape)
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every piece's ``start`` and ``stop``, as (n, ndim) int64 arrays."""
+        d, n = len(self.global_shape), len(self)
+        if self._pieces is None:
+            block = self.table.boxes[self.boxes_at:self.boxes_at + 2 * d * n]
+            block = block.reshape(n, 2, d)
+            return block[:, 0], block[:, 1]
+        start = np.array([p.start for p in self._pieces], np.int64).reshape(n, d)
+        stop = np.array([p.stop for p in self._pieces], np.int64).reshape(n, d)
+        return start, stop
+
+    def __repr__(self) -> str:
+        return (f"TensorEntry({self.name!r}, {self.dtype!r}, {self.global_shape}, "
+                f"{len(self)} piece(s))")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "global_shape": list(self.global_shape),
-                "tp_split": self.tp_split, "tp_blocks": self.tp_blocks,
-                "pieces": [[p.file, p.dataset, list(p.start), list(p.stop), p.checksum,
-                            p.at] for p in self.pieces]}
+        """The entry as versions 1 to 3 wrote it, pieces included."""
+        return {**self._head(), "pieces": [[p.file, p.dataset, list(p.start), list(p.stop),
+                                            p.checksum, p.at] for p in self.pieces]}
+
+    def _head(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype,
+                "global_shape": list(self.global_shape), "tp_split": self.tp_split,
+                "tp_blocks": self.tp_blocks}
 
     @classmethod
-    def from_json(cls, d: dict, version: int = VERSION) -> TensorEntry:
+    def from_json(cls, d: dict, version: int = 3) -> TensorEntry:
+        """An entry of a version 1 to 3 index (its pieces in the JSON text)."""
         def piece(f, ds, a, b, h, where=None):  # version 1 has no sixth field
             where = None if where is None else int(where)
             return Piece(str(f), str(ds), tuple(map(int, a)), tuple(map(int, b)), str(h),
                          where if version == 2 else None, where if version >= 3 else None)
 
         pieces = tuple(piece(*p) for p in d["pieces"])
-        return cls(str(d["name"]), str(d["dtype"]), tuple(map(int, d["global_shape"])),
-                   None if d["tp_split"] is None else int(d["tp_split"]), int(d["tp_blocks"]),
-                   pieces)
+        return cls(*_head_of(d), pieces)
+
+
+def _head_of(d: dict) -> tuple:
+    return (str(d["name"]), str(d["dtype"]), tuple(map(int, d["global_shape"])),
+            None if d["tp_split"] is None else int(d["tp_split"]), int(d["tp_blocks"]))
 
 
 def json_attr(value) -> str:
@@ -251,10 +376,12 @@ def json_attr(value) -> str:
 
 
 def write_index(f: h5py.File, *, step: int, meta: dict, files: list[str],
-                tensors: list[TensorEntry]) -> None:
-    """Write the index into an open, new HDF5 file (see the module docstring)."""
+                tensors: list[TensorEntry], version: int = VERSION) -> None:
+    """Write the index into an open, new HDF5 file (see the module docstring).
+    ``version`` 3: the piece table as one JSON text, as versions 1 to 3 kept it (what
+    the tests of the older readers start from)."""
     f.attrs["format"] = CHECKPOINT
-    f.attrs["version"] = VERSION
+    f.attrs["version"] = version
     f.attrs["step"] = int(step)
     f.attrs["checksum"] = CHECKSUM
     for key in META_KEYS:
@@ -263,9 +390,68 @@ def write_index(f: h5py.File, *, step: int, meta: dict, files: list[str],
         if meta.get(key) is not None:
             f.attrs[key] = json_attr(meta[key])
     f.attrs["files"] = json_attr(files)
-    text = np.frombuffer(json.dumps([t.to_json() for t in tensors]).encode(), np.uint8)
-    dset = f.create_dataset("tensors", data=text)
-    dset.attrs["sha256"] = sha256_array(text)
+    if version < TABLE_VERSION:
+        text = np.frombuffer(json.dumps([t.to_json() for t in tensors]).encode(), np.uint8)
+        f.create_dataset("tensors", data=text).attrs["sha256"] = sha256_array(text)
+        return
+    file_of = {name: k for k, name in enumerate(files)}
+    dataset_of: dict[str, int] = {}
+    rows, boxes, sums = [], [], []
+    for t in tensors:
+        for p in t.pieces:
+            if p.file not in file_of:
+                raise ValueError(f"tensor {t.name}: piece in {p.file}, which is not among "
+                                 f"the index's files {files}")
+            rows.append((file_of[p.file], dataset_of.setdefault(p.dataset, len(dataset_of)),
+                         -1 if p.at is None else p.at))
+            boxes += [*p.start, *p.stop]
+            sums.append(p.checksum.encode())
+    head = [{**t._head(), "pieces": len(t)} for t in tensors]
+    parts = {"tensors": np.frombuffer(json.dumps(head).encode(), np.uint8),
+             "pieces": np.array(rows, np.int64).reshape(len(rows), 3),
+             "boxes": np.array(boxes, np.int64),
+             "checksums": np.array(sums, dtype=f"S{max(map(len, sums), default=1)}")}
+    for name, data in parts.items():
+        f.create_dataset(name, data=data)
+    f.attrs["datasets"] = json_attr(list(dataset_of))
+    # one attribute for the four: h5py reads an attribute in 0.05-0.09 ms
+    f.attrs["table_sha256"] = json_attr({name: sha256_array(data)
+                                         for name, data in parts.items()})
+
+
+def _table_entries(f: h5py.File, files: list[str]) -> list[TensorEntry]:
+    """The entries of a version 4 index, each its rows of the one piece table; a table
+    whose parts disagree (counts, lengths, indexes out of range) is refused."""
+    parts, sums = {}, json.loads(f.attrs["table_sha256"])
+    for name in ("tensors", "pieces", "boxes", "checksums"):
+        dset = h5py.h5d.open(f.id, name.encode())  # h5py's f[name][...]: 3x the time
+        parts[name] = data = np.empty(dset.shape, dset.dtype)
+        if data.size:
+            dset.read(h5py.h5s.ALL, h5py.h5s.ALL, data)
+        if sha256_array(data) != sums.get(name):
+            raise ValueError(f"dataset {name} fails its sha256 check")
+    heads = json.loads(parts["tensors"].tobytes())
+    datasets = [str(d) for d in json.loads(f.attrs["datasets"])]
+    rows, boxes, sums = parts["pieces"], parts["boxes"], parts["checksums"]
+    counts = [int(d["pieces"]) for d in heads]
+    widths = [2 * len(d["global_shape"]) * n for d, n in zip(heads, counts, strict=True)]
+    n = sum(counts)
+    if (rows.shape != (n, 3) or sums.shape != (n,) or min(counts, default=0) < 0
+            or boxes.shape != (sum(widths),)):
+        raise ValueError(f"the piece table's parts disagree: {n} pieces by the tensors, "
+                         f"pieces {rows.shape}, boxes {boxes.shape}, checksums {sums.shape}")
+    if n and (rows[:, 0].min() < 0 or rows[:, 0].max() >= len(files)
+              or rows[:, 1].min() < 0 or rows[:, 1].max() >= len(datasets)
+              or rows[:, 2].min() < -1):
+        raise ValueError(f"a piece names a file, a dataset or a position out of range "
+                         f"({len(files)} files, {len(datasets)} datasets)")
+    table = PieceTable(files, datasets, rows, boxes, sums)
+    entries, first, at = [], 0, 0
+    for d, count, width in zip(heads, counts, widths, strict=True):
+        entries.append(TensorEntry(*_head_of(d), table=table, first=first, count=count,
+                                   boxes_at=at))
+        first, at = first + count, at + width
+    return entries
 
 
 def check_format(f: h5py.File, path: Path, expected: str) -> None:
@@ -277,9 +463,11 @@ def check_format(f: h5py.File, path: Path, expected: str) -> None:
     if str(name) != expected:
         raise CheckpointError(f"{path}: format {str(name)!r}, expected {expected!r}")
     if int(version) not in READABLE:
+        newer = ("; a newer hpctrain wrote it: load it with that one"
+                 if int(version) > max(READABLE) else "")
         raise CheckpointError(f"{path}: {expected} version {int(version)} is not supported "
                               f"(this hpctrain reads versions "
-                              f"{', '.join(map(str, READABLE))})")
+                              f"{', '.join(map(str, READABLE))}){newer}")
 
 
 @dataclass
@@ -323,17 +511,24 @@ def read_index(path: Path, image: bytes | None = None) -> Index:
             meta = {key: json.loads(f.attrs[key]) for key in META_KEYS}
             meta |= {key: json.loads(f.attrs[key]) for key in OPTIONAL_META_KEYS
                      if key in f.attrs}
-            files = list(json.loads(f.attrs["files"]))
+            files = [str(name) for name in json.loads(f.attrs["files"])]
             step = int(f.attrs["step"])
             algorithm = str(f.attrs.get("checksum", "sha256"))  # version 1: sha256
-            text = f["tensors"][...]
             version = int(f.attrs["version"])
+            text = None if version >= TABLE_VERSION else f["tensors"][...]
         except (KeyError, ValueError, OSError) as err:
             raise CheckpointError(f"{path}: the index is incomplete or corrupt ({err}); "
                                   f"{REMEDY}") from None
-        if sha256_array(text) != f["tensors"].attrs.get("sha256"):
+        if text is not None and sha256_array(text) != f["tensors"].attrs.get("sha256"):
             raise CheckpointError(f"{path}: the tensor table fails its sha256 check; {REMEDY}")
-    entries = [TensorEntry.from_json(d, version) for d in json.loads(text.tobytes())]
+        if text is None:
+            try:
+                entries = _table_entries(f, files)
+            except (KeyError, ValueError, TypeError, OSError) as err:
+                raise CheckpointError(f"{path}: the piece table is incomplete or corrupt "
+                                      f"({err}); {REMEDY}") from None
+    if text is not None:
+        entries = [TensorEntry.from_json(d, version) for d in json.loads(text.tobytes())]
     if algorithm not in CHECKSUMS:
         raise CheckpointError(f"{path}: its pieces carry {algorithm!r} checksums, which this "
                               f"hpctrain cannot check (it knows {', '.join(CHECKSUMS)})")

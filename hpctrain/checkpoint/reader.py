@@ -76,11 +76,12 @@ from hpctrain.checkpoint.reshard import (
     box_name,
     box_shape,
     box_volume,
+    full_box,
     intersect,
     region,
     segments,
     slices,
-    tiles,
+    tiles_bounds,
 )
 from hpctrain.checkpoint.state import Held
 from hpctrain.slurm.placement import blas_threads_per_rank
@@ -106,7 +107,9 @@ class Checkpoint:
         if check_files:
             self._check_files()
         for entry in self.index.tensors.values():
-            problem = tiles([p.box for p in entry.pieces], entry.global_shape)
+            if entry.whole():
+                continue
+            problem = tiles_bounds(*entry.bounds(), entry.global_shape)
             if problem is not None:
                 raise CheckpointError(f"{self.index.path}: tensor {entry.name}: {problem}; "
                                       f"{REMEDY}")
@@ -138,15 +141,23 @@ class Checkpoint:
         self._files, self._fds, self._flat = {}, {}, {}
 
     def _check_files(self) -> None:
-        holds: dict[str, list[str]] = {}
-        for entry in self.index.tensors.values():
-            for p in entry.pieces:
-                holds.setdefault(p.file, []).append(entry.name)
-        for name, tensors in holds.items():
+        """Every file a piece is in exists (in the order the pieces name them), else
+        an error naming it, how many pieces it holds and a tensor they are of."""
+        entries = list(self.index.tensors.values())
+        names: dict[str, None] = {}
+        for table in {id(e.table): e.table for e in entries if e.table is not None}.values():
+            files, first = np.unique(table.rows[:, 0], return_index=True)  # NumPy: 1,024
+            names.update(dict.fromkeys(table.files[k] for k in files[np.argsort(first)]))
+        for e in entries:  # an index of version 1 to 3: its pieces, as read
+            if e.table is None:
+                names.update(dict.fromkeys(p.file for p in e.pieces))
+        for name in names:
             path = self.index.file_path(name)
             if not path.is_file():
-                raise CheckpointError(f"{path}: missing; it holds {len(tensors)} piece(s), "
-                                      f"of tensor {tensors[0]} among others; {REMEDY}")
+                holding = [e for e in entries if name in e.files()]
+                pieces = sum(sum(p.file == name for p in e.pieces) for e in holding)
+                raise CheckpointError(f"{path}: missing; it holds {pieces} piece(s), "
+                                      f"of tensor {holding[0].name} among others; {REMEDY}")
 
     def _file(self, name: str, tensor: str) -> h5py.File:
         if name not in self._files:
@@ -169,31 +180,49 @@ class Checkpoint:
         return self._fds[name]
 
     def _flat_offset(self, entry: TensorEntry, piece: Piece) -> int | None:
-        """Version 3: the byte offset of the piece in its file, after checking its flat
+        """Version 3 and later: the byte offset of the piece in its file (``_flat_at``)."""
+        return self._flat_at(entry, piece.file, piece.dataset, piece.at,
+                             box_volume(piece.box), piece.box)
+
+    def _flat_at(self, entry: TensorEntry, file: str, dataset: str, at: int, n: int,
+                 box: Box) -> int | None:
+        """The byte offset in ``file`` of the ``n`` elements from ``at`` on of its flat
+        dataset ``dataset`` (a piece of ``entry``, ``box``), after checking the
         dataset's dtype and length (None: the dataset's storage is not one run of the
         file, e.g. a repacked file: read it through HDF5)."""
-        key = (piece.file, piece.dataset)
+        key = (file, dataset)
         if key not in self._flat:
-            f = self._file(piece.file, entry.name)
-            dset = f.get(piece.dataset)
+            f = self._file(file, entry.name)
+            dset = f.get(dataset)
             if not isinstance(dset, h5py.Dataset) or dset.ndim != 1:
-                raise CheckpointError(f"{self.index.file_path(piece.file)}: has no flat "
-                                      f"dataset {piece.dataset}, needed for tensor "
+                raise CheckpointError(f"{self.index.file_path(file)}: has no flat "
+                                      f"dataset {dataset}, needed for tensor "
                                       f"{entry.name}; {REMEDY}")
             self._flat[key] = (dset.id.get_offset(), dset.shape[0], dset.dtype)
         offset, length, dtype = self._flat[key]
-        if dtype != entry.dtype or piece.at + box_volume(piece.box) > length:
-            where = f"{self.index.file_path(piece.file)}: tensor {entry.name}"
+        if dtype != entry.dtype or at + n > length:
+            where = f"{self.index.file_path(file)}: tensor {entry.name}"
             if dtype != entry.dtype:
-                raise CheckpointError(f"{where}: stored in {piece.dataset} ({dtype}), the "
+                raise CheckpointError(f"{where}: stored in {dataset} ({dtype}), the "
                                       f"index says {np.dtype(entry.dtype)}; {REMEDY}")
-            raise CheckpointError(f"{where}: piece {box_name(piece.box)} ends past the "
-                                  f"{length} elements of {piece.dataset}; {REMEDY}")
-        return None if offset is None else offset + piece.at * dtype.itemsize
+            raise CheckpointError(f"{where}: piece {box_name(box)} ends past the "
+                                  f"{length} elements of {dataset}; {REMEDY}")
+        return None if offset is None else offset + at * dtype.itemsize
 
     def _raw_offset(self, entry: TensorEntry, piece: Piece) -> int | None:
         """Where the piece's bytes start in its file, or None: read it through HDF5."""
         return piece.offset if piece.at is None else self._flat_offset(entry, piece)
+
+    def _raw_offset_of(self, entry: TensorEntry, k: int, box: Box) -> tuple[str, int | None]:
+        """Piece k of ``entry`` (``box``): its file, and where its bytes start there
+        (None: read it through HDF5), without making the Piece of a version 4 table."""
+        if entry.table is None:
+            piece = entry.pieces[k]
+            return piece.file, self._raw_offset(entry, piece)
+        file, dataset, at = entry.where(k)
+        if at is None:
+            return file, None
+        return file, self._flat_at(entry, file, dataset, at, box_volume(box), box)
 
     def _read_at(self, file: str, tensor: str, offset: int, outs: list[np.ndarray],
                  where: str) -> None:
@@ -253,12 +282,15 @@ class Checkpoint:
     def _checked(self, piece: Piece, data: np.ndarray, where) -> np.ndarray:
         """``data``, if its checksum is the piece's; ``where``: the text naming it in
         the error, or a function giving it."""
+        return self._check(piece.checksum, data, where)
+
+    def _check(self, stored: str, data: np.ndarray, where) -> np.ndarray:
         algorithm = self.index.checksum
         digest = checksum_of(algorithm, data)
-        if digest != piece.checksum:
+        if digest != stored:
             where = where() if callable(where) else where
             raise CheckpointError(f"{where}: checksum mismatch ({algorithm}: stored "
-                                  f"{piece.checksum[:12]}..., read {digest[:12]}...): the "
+                                  f"{stored[:12]}..., read {digest[:12]}...): the "
                                   f"file is corrupt; {REMEDY}")
         return data
 
@@ -406,37 +438,55 @@ class Checkpoint:
             raise failed[min(failed)]
 
     def _direct_reads(self, entry: TensorEntry, h: Held) -> list | None:
-        """``(file, offset, entry, piece, target)`` per segment of ``h``, if each is
-        exactly one stored piece read raw into a contiguous region; else None."""
-        if h.array.shape != h.sharding.shape:
+        """``(file, offset, entry, k, target)`` per segment of ``h``, if each is
+        exactly one stored piece (the k-th of ``entry``) read raw into a contiguous
+        region; else None. Pieces are matched to segments by their start (NumPy over
+        the piece table: a job of many ranks cuts a tensor into as many pieces)."""
+        array = h.array
+        if array.shape != h.sharding.shape:
             return None  # read_into names the problem
-        by_start = {p.start: p for p in entry.pieces}
+        segs = _segments(h.sharding)
+        if len(entry) == 1:
+            rows = [0] if len(segs) == 1 else None
+        else:
+            start, _ = entry.bounds()
+            rows = []
+            for seg in segs:
+                found = np.flatnonzero((start == [a for a, _ in seg.box]).all(axis=1))
+                rows.append(int(found[0]) if len(found) else None)
+        if rows is None or None in rows:
+            return None
         reads = []
-        for seg in _segments(h.sharding):
-            piece = by_start.get(tuple(a for a, _ in seg.box))
-            if piece is None or piece.box != seg.box:
+        for seg, k in zip(segs, rows, strict=True):
+            if entry.box(k) != seg.box:
                 return None
-            target = region(h.array, seg)
-            offset = self._raw_offset(entry, piece)
+            whole = (len(segs) == 1 and seg.offset == 0 and seg.outer == array.shape
+                     and seg.inner == full_box(array.shape))
+            target = array if whole else region(array, seg)
+            file, offset = self._raw_offset_of(entry, k, seg.box)
             if offset is None or not target.flags.c_contiguous:
                 return None
-            reads.append((piece.file, offset, entry, piece, target))
+            reads.append((file, offset, entry, k, target))
         return reads
 
     def _read_run(self, run: list) -> None:
         """A run's pieces, one after another in their file, into their targets (its
         file already open: ``read_held``)."""
-        file, offset, entry, piece, _ = run[0]
-        where = f"{self.index.file_path(file)}: tensor {entry.name}, piece {box_name(piece.box)}"
+        file, offset, entry, k, _ = run[0]
         try:
-            preadv_all(self._fds[file], [r[4] for r in run], offset, where)
+            preadv_all(self._fds[file], [r[4] for r in run], offset,
+                       lambda: self._where(file, entry, k))
         except OSError as err:
-            raise CheckpointError(f"{where}: cannot be read ({err}); {REMEDY}") from None
+            raise CheckpointError(f"{self._where(file, entry, k)}: cannot be read ({err}); "
+                                  f"{REMEDY}") from None
+
+    def _where(self, file: str, entry: TensorEntry, k: int) -> str:
+        return f"{self.index.file_path(file)}: tensor {entry.name}, piece {box_name(entry.box(k))}"
 
     def _check_run(self, run: list) -> None:
-        for file, _, entry, piece, target in run:
-            self._checked(piece, target, lambda f=file, e=entry, p=piece: (
-                f"{self.index.file_path(f)}: tensor {e.name}, piece {box_name(p.box)}"))
+        for file, _, entry, k, target in run:
+            self._check(entry.checksum(k), target,
+                        lambda f=file, e=entry, k=k: self._where(f, e, k))
 
     def read_full(self, name: str) -> np.ndarray:
         """The whole global tensor ``name``."""
@@ -446,14 +496,15 @@ class Checkpoint:
         return out
 
 
-def preadv_all(fd: int, outs: list[np.ndarray], offset: int, where: str) -> None:
+def preadv_all(fd: int, outs: list[np.ndarray], offset: int, where) -> None:
     """Bytes of ``fd`` from ``offset`` on, into the C-contiguous ``outs`` one after
     another, however the kernel splits the reads; a file that ends first is truncated
-    (``where`` names the piece in the error)."""
+    (``where`` names the piece in the error: a text, or a function giving it)."""
     views = byte_views(outs)
     while views:
         n = os.preadv(fd, views[:IOV_MAX], offset)
         if n <= 0:
+            where = where() if callable(where) else where
             raise CheckpointError(f"{where}: the file ends inside the piece (it is "
                                   f"truncated); {REMEDY}")
         offset += n

@@ -204,33 +204,49 @@ def place(array: np.ndarray, seg: Segment, values: np.ndarray) -> None:
 
 
 def tiles(boxes: list[Box], shape: tuple[int, ...]) -> str | None:
-    """None if ``boxes`` cover the array of ``shape`` exactly once; else what is wrong.
-
-    In NumPy, for the indexes of many ranks (1,024 pieces a tensor and more): the
-    boxes sorted by their start along the axis that leaves the fewest candidate pairs
-    (on a grid of pieces, an axis it is cut along), and only the pairs that meet along
-    that axis compared on every axis."""
+    """None if ``boxes`` cover the array of ``shape`` exactly once; else what is wrong
+    (``tiles_bounds``)."""
     inside = full_box(shape)
     if len(boxes) == 1 and boxes[0] == inside:  # one whole piece: most tensors
         return None
     for box in boxes:
         if len(box) != len(shape):
             return f"piece {box_name(box)} lies outside the shape {shape}"
-    n, d = len(boxes), len(shape)
+    ends = np.array(boxes, dtype=np.int64).reshape(len(boxes), len(shape), 2)
+    return tiles_bounds(ends[:, :, 0], ends[:, :, 1], shape)
+
+
+def tiles_bounds(lo: np.ndarray, hi: np.ndarray, shape: tuple[int, ...]) -> str | None:
+    """None if the boxes ``[lo[k], hi[k])`` (``(n, ndim)`` int64 each: a version 4
+    index's piece table, as it is) cover the array of ``shape`` exactly once; else
+    what is wrong.
+
+    In NumPy, for the indexes of many ranks (1,024 pieces a tensor and more): the
+    boxes sorted by their start along the axis that leaves the fewest candidate pairs
+    (on a grid of pieces, an axis it is cut along), and only the pairs that meet along
+    that axis compared on every axis."""
+    n, d = lo.shape[0], len(shape)
+
+    def box(k: int) -> Box:
+        return tuple(zip(lo[k].tolist(), hi[k].tolist(), strict=True))
+
+    if lo.shape != (n, d) or hi.shape != (n, d):
+        return f"pieces of {lo.shape[1:]} axes lie outside the shape {shape}"
     if d == 0:  # a scalar: one piece; two or more overlap, none misses it
         if n == 0:
             return "the pieces cover 0 of 1 elements (a piece is missing)"
         return None if n == 1 else "pieces scalar and scalar overlap"
-    ends = np.array(boxes, dtype=np.int64).reshape(n, d, 2)
-    lo, hi = ends[:, :, 0], ends[:, :, 1]
     outside = ((lo < 0) | (hi > np.array(shape)) | (lo >= hi)).any(axis=1)
     if outside.any():
-        return f"piece {box_name(boxes[int(np.argmax(outside))])} lies outside the shape {shape}"
-    first = _overlapping(lo, hi)
-    if first is not None:
-        a, b = sorted((boxes[first[0]], boxes[first[1]]))
-        return f"pieces {box_name(a)} and {box_name(b)} overlap"
-    covered = int((hi - lo).prod(axis=1).sum())
+        return f"piece {box_name(box(int(np.argmax(outside))))} lies outside the shape {shape}"
+    if n == 1:  # inside, so it covers the shape once if it has its volume
+        covered = int((hi - lo).prod())
+    else:
+        first = _overlapping(lo, hi)
+        if first is not None:
+            a, b = sorted((box(first[0]), box(first[1])))
+            return f"pieces {box_name(a)} and {box_name(b)} overlap"
+        covered = int((hi - lo).prod(axis=1).sum())
     if covered != math.prod(shape):
         return (f"the pieces cover {covered} of {math.prod(shape)} elements "
                 f"(a piece is missing)")

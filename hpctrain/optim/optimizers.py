@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from hpctrain.nn.kernels import NUMPY_KERNELS, kernels
-from hpctrain.nn.module import Parameter, is_sparse
+from hpctrain.nn.module import Parameter, aligned_empty, is_sparse
 from hpctrain.nn.threads import over_rows
 
 PARALLEL_MIN_SIZE = 1 << 16  # elements: smaller parameters update on one thread
@@ -122,8 +122,10 @@ class AdamW(Optimizer):
         self.lr = lr
         self.beta1, self.beta2 = betas
         self.eps = eps
-        self.m = [np.zeros_like(p.data) for p in self.params]
-        self.v = [np.zeros_like(p.data) for p in self.params]
+        # aligned as the parameters are (nn.module.aligned_empty): a checkpoint's load
+        # copies into them at full speed
+        self.m = [aligned_empty(p.shape, p.data.dtype, zeros=True) for p in self.params]
+        self.v = [aligned_empty(p.shape, p.data.dtype, zeros=True) for p in self.params]
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
         """One update from the current ``.grad`` times ``grad_scale`` (a clipping
@@ -161,7 +163,8 @@ class SGD(Optimizer):
         super().__init__(named_params, weight_decay, decay)
         self.lr = lr
         self.momentum = momentum
-        self.momentum_buf = [np.zeros_like(p.data) for p in self.params]
+        self.momentum_buf = [aligned_empty(p.shape, p.data.dtype, zeros=True)
+                             for p in self.params]
 
     def step(self, lr: float | None = None) -> None:
         """One update from the current ``.grad``; ``lr`` defaults to the constructor's."""
