@@ -433,21 +433,24 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     ``resume_hint``: how the command that called this continues a run a signal
     stopped (its line after the checkpoint names it).
     """
-    startup_check(comm, lambda: _check_outputs(cfg, resume, trace_path)
-                  if comm.Get_rank() == 0 else None)
-    nn_kernels.load(cfg.model.dtype)  # numba's machine code now, not in the first step
-    memory = None
-    if cfg.train.memory_report:  # traced from here: the engine's arrays included
-        from hpctrain.memreport import MemoryReport
-
-        memory = MemoryReport(cfg, comm)
     topo = Topology.build(comm, cfg.parallel)
     tracer = trace.Tracer(keep_events=False)  # the start-up's phases: timed, not traced
     # from here to the end, every phase is timed against the stall timeout: the
-    # start-up's (a rank stuck opening the data or loading the checkpoint leaves the
-    # others in startup_check's collective), each step, and the work between and after
+    # start-up's (a rank stuck checking its outputs, opening the data or loading the
+    # checkpoint leaves the others in startup_check's collective), each step, and the
+    # work between and after
     watch = watchdog.start(topo, tracer, cfg.train.stall_timeout)
+    memory = None
     try:
+        with _phase(tracer, "check_outputs"):
+            startup_check(comm, lambda: _check_outputs(cfg, resume, trace_path)
+                          if comm.Get_rank() == 0 else None)
+        with _phase(tracer, "load_kernels"):  # numba's machine code now, not in a step
+            nn_kernels.load(cfg.model.dtype)
+        if cfg.train.memory_report:  # traced from here: the engine's arrays included
+            from hpctrain.memreport import MemoryReport
+
+            memory = MemoryReport(cfg, comm)
         summary = _run(cfg, comm, topo, tracer, memory, quiet=quiet, resume=resume,
                        reset_schedule=reset_schedule, trace_path=trace_path,
                        after_step=after_step, resume_hint=resume_hint)
@@ -456,6 +459,9 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         # wait for the ranks that come to the end (runtime.meet_before_finalize)
         with trace.recording(tracer), trace.span("end_of_run", "other", comm="world_comm"):
             arrive(comm)
+    except SystemExit as err:  # alone, it would leave the others waiting: rank 0 ends them
+        watch.exiting(err)
+        raise
     finally:
         watch.stop()
     if memory is not None:

@@ -19,17 +19,26 @@ training's), pickled and small, sent with ``isend``, polled with ``Iprobe``::
 
     REPORT   rank r -> 0   where r is; sent when r's own step is late, and when asked
     ASK      0 -> r        "say where you are"
+    EXITED   rank r -> 0   r's run ended by a SystemExit: its status, where it was raised
 
 Rank 0 starts asking when its own step is late or the first report arrives. A rank
 whose report rank 0 has not acted on after ``3 * grace`` seconds (rank 0 stuck in a
 C call holding the GIL, stopped, or dead) prints its own report and ends the job
 itself. Nothing is sent while steps complete: the cost is one ``Iprobe`` per rank
-per ``poll`` seconds and the tracer's list append and pop per span.
+(two on rank 0) per ``poll`` seconds and the tracer's list append and pop per span.
+
+A rank that leaves the run by a ``SystemExit`` (``exiting``; a ``sys.exit`` in code
+that ran on it alone) would otherwise be one that "did not answer" once the others'
+step is late: it sends EXITED, and rank 0, if it is still in the run ``grace``
+seconds later, ends the job with that status, naming the rank. Exits every rank takes
+together (the start-up's user errors, after ``startup_check``'s collective) reach
+rank 0 as it leaves too, and nothing more happens.
 
 What is timed, each against the timeout: each phase of the start-up (``STARTUP``:
-opening the data, building the model, loading the checkpoint; a rank stuck reading a
-slow file system there leaves the others in ``startup_check``'s collective), each
-step (the ``step`` span: data, forward, backward, gradient reduction, optimizer), and
+rank 0's check of the run's output folders, loading the compiled kernels, opening the
+data, building the model, loading the checkpoint; a rank stuck reading a slow file
+system there leaves the others in ``startup_check``'s collective), each step (the
+``step`` span: data, forward, backward, gradient reduction, optimizer), and
 separately the work from the end of one of these to the start of the next (after the
 start-up: building the data-parallel wrapper, evaluating the starting point; after a
 step: the metrics all-reduce, evaluation, checkpoint saves, the preemption check;
@@ -43,13 +52,17 @@ Blame (``diagnose``, pure, tested without MPI): among the ranks at the latest po
 of the run, those waiting in a communication span are grouped by operation and
 communicator; the rest *have not arrived*: ranks at an earlier step, ranks at the
 latest step but not in a communication (computing, reading, sleeping), and ranks
-that did not answer. Most stalls are one rank not calling what the others wait in,
+that did not answer; in the start-up, ranks in an earlier phase than others (the
+headline names the earliest phase, where the job is held up). Ranks that exited are
+named with their status. Most stalls are one rank not calling what the others wait in,
 so a longer timeout rarely helps; the message says so (as PyTorch's flight-recorder
 write-up found of NCCL timeouts: the stack that matters is the late rank's main
 thread, not the watchdog's).
 
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default request). With less, the thread makes
-no MPI call: each late rank prints its own report and exits, which ends the job.
+no MPI call: each late rank prints its own report and exits, which ends the job, and
+an exit is not reported (the others stall; ``runtime.finalize_on_exit`` bounds the
+exited rank's wait).
 """
 
 from __future__ import annotations
@@ -68,10 +81,13 @@ from typing import Any
 from hpctrain import trace
 
 EXIT_STALLED = 5
-REPORT, ASK = 1, 2  # message tags on watch_comm
+REPORT, ASK, EXITED = 1, 2, 3  # message tags on watch_comm
 STEP = "step"
-# the start-up's phases, outermost spans before the first step (step None): what each does
-STARTUP = {"open_data": "opening the data", "build_model": "building the model",
+# the start-up's phases in their order, outermost spans before the first step (step
+# None): what each does
+STARTUP = {"check_outputs": "checking the run's output folders",
+           "load_kernels": "loading the compiled kernels",
+           "open_data": "opening the data", "build_model": "building the model",
            "load_checkpoint": "loading the checkpoint"}
 TIMED = (STEP, *STARTUP)  # the outermost spans timed while open
 
@@ -97,6 +113,9 @@ _SHOWN_ARGS = ("mb", "chunk", "peer", "comm")
 HINT = ("A stall is usually one rank not calling the operation the others wait in (stuck "
         "I/O, a hang, a rank-dependent branch): a longer --stall-timeout helps only if "
         "steps are really that slow.")
+EXIT_HINT = ("A SystemExit (sys.exit, click's exit) ends only the rank that raises it; the "
+             "others wait for it in their next communication: exit on every rank alike, or "
+             "raise another exception, which ends the job at once with its traceback.")
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,9 @@ class Report:
     """Where one rank is. ``step``: the step in progress (``in_step``) or the last one
     completed; ``seconds`` in that phase; ``spans``: the open spans, outermost first,
     as ``(name, cat, args)``; ``frames``: the main thread's innermost Python frames,
-    innermost first; ``coords`` ``(pp, dp, tp)`` and ``shape`` ``(dp, tp, pp)``."""
+    innermost first; ``coords`` ``(pp, dp, tp)`` and ``shape`` ``(dp, tp, pp)``.
+    ``exited``: the status of the ``SystemExit`` that ended this rank's run (then
+    ``frames`` are where it was raised, ``step`` the last step begun, no span open)."""
 
     rank: int
     step: int | None
@@ -116,6 +137,7 @@ class Report:
     shape: tuple[int, int, int] | None = None
     host: str = ""
     pid: int = 0
+    exited: int | None = None
 
 
 def phase_of(position: trace.Position, now: float,
@@ -154,6 +176,15 @@ def main_frames(ident: int, depth: int = 4) -> tuple[str, ...]:
         out.append(f"{_short(code.co_filename)}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back
     return tuple(out)
+
+
+def raised_frames(err: BaseException, depth: int = 4) -> tuple[str, ...]:
+    """The innermost ``depth`` frames of ``err``'s traceback, innermost first, as
+    ``main_frames`` gives them: where it was raised."""
+    import traceback
+
+    summary = traceback.extract_tb(err.__traceback__)[::-1][:depth]
+    return tuple(f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in summary)
 
 
 def _short(path: str) -> str:
@@ -219,11 +250,16 @@ def _span_label(name: str, args: dict) -> str:
     return f"{name} ({', '.join(shown)})" if shown else name
 
 
-def _progress(report: Report) -> tuple[int, int]:
-    """Order of the points of a run: step 3 < after step 3 < step 4."""
+def _progress(report: Report) -> tuple[int, int, int]:
+    """Order of the points of a run: the start-up's phases in ``STARTUP``'s order <
+    the work before the first step < step 3 < after step 3 < step 4."""
     if report.step is None:  # start-up, then the work before the first step
-        return (-1, 0 if report.in_step else 1)
-    return (report.step, 0 if report.in_step else 1)
+        phase = report.spans[0][0] if report.in_step and report.spans else ""
+        return (-1, 0 if report.in_step else 1, _STARTUP_ORDER.get(phase, 0))
+    return (report.step, 0 if report.in_step else 1, 0)
+
+
+_STARTUP_ORDER = {name: k for k, name in enumerate(STARTUP)}
 
 
 def _ranks(ranks) -> str:
@@ -232,18 +268,26 @@ def _ranks(ranks) -> str:
 
 
 def diagnose(reports: dict[int, Report], size: int, timeout: float) -> str:
-    """Rank 0's message: which ranks wait in which operation (and for whom), which
-    have not arrived and where they are, one line per rank, and a hint. ``reports``:
-    by world rank, the ranks that answered (at least one)."""
-    front = max(_progress(r) for r in reports.values())
-    latest = max(reports.values(), key=_progress)
-    seconds = max(r.seconds for r in reports.values() if _progress(r) == front)
-    what = _what(latest)
-    lines = [f"stall: {what} after {seconds:.1f} s (stall timeout {timeout:g} s); "
-             f"ending the job"]
+    """Rank 0's message: which ranks left the run (``Report.exited``), which wait in
+    which operation (and for whom), which have not arrived and where they are, one
+    line per rank, and a hint. ``reports``: by world rank, the ranks that answered or
+    exited, at least one still in the run."""
+    exited = sorted(r for r, report in reports.items() if report.exited is not None)
+    running = {r: report for r, report in reports.items() if report.exited is None}
+    front = max(_progress(r) for r in running.values())
+    latest = max(running.values(), key=_progress)
+    if front[:2] == (-1, 0):  # every rank in the start-up: held up where the last one is
+        latest = min(running.values(), key=_progress)
+    if exited:
+        lines = [f"exit: {_ranks(exited)} left the run alone (a SystemExit) while the "
+                 f"other ranks are still in it; ending the job"]
+    else:
+        seconds = max(r.seconds for r in running.values() if _progress(r) == _progress(latest))
+        lines = [f"stall: {_what(latest)} after {seconds:.1f} s (stall timeout {timeout:g} "
+                 f"s); ending the job"]
     waits: dict[tuple[str, str], list[int]] = {}
     idle, behind = [], []
-    for rank in sorted(reports):
+    for rank in sorted(running):
         wait = wait_of(reports[rank])
         if _progress(reports[rank]) < front:
             behind.append(rank)
@@ -255,6 +299,8 @@ def diagnose(reports: dict[int, Report], size: int, timeout: float) -> str:
         lines.append(f"  {_ranks(ranks)} wait{'s' if len(ranks) == 1 else ''} in "
                      f"{describe_wait(op, comm)}{_during(reports, ranks)}"
                      f"{_waiting_for(reports, ranks)}")
+    lines += [f"  rank {r} has left the run: it exited with status {reports[r].exited} "
+              f"(SystemExit) {_exit_where(reports[r])}" for r in exited]
     together = [] if waits else _waiting_untraced(reports, idle)
     lines += together
     late = behind + idle
@@ -269,7 +315,7 @@ def diagnose(reports: dict[int, Report], size: int, timeout: float) -> str:
     if silent:
         lines.append(f"  {_ranks(silent)} did not answer: blocked in a C call that holds "
                      f"the GIL, stopped, or dead")
-    if not (late or silent):
+    if not (late or silent or exited):
         lines.append("  every rank waits in a communication, but not all in the same one: "
                      "the ranks called different operations" if len(waits) > 1 else
                      "  every rank waits in the same operation and it does not complete: "
@@ -277,8 +323,21 @@ def diagnose(reports: dict[int, Report], size: int, timeout: float) -> str:
     lines.append("where each rank is (innermost Python frames of its main thread first):")
     lines += [rank_line(reports[r]) if r in reports else f"  rank {r}: no answer"
               for r in range(size)]
-    lines.append(HINT)
+    lines.append(EXIT_HINT if exited else HINT)
     return "\n".join(lines)
+
+
+def abort_status(reports: dict[int, Report]) -> int:
+    """The status rank 0 ends the job with: that of the first rank that exited with
+    an error, else ``EXIT_STALLED``."""
+    statuses = [reports[r].exited for r in sorted(reports) if reports[r].exited]
+    return statuses[0] if statuses else EXIT_STALLED
+
+
+def _exit_where(report: Report) -> str:
+    """``in step 3, at FRAME``: where a rank's SystemExit was raised."""
+    at = f", at {report.frames[0]}" if report.frames else ""
+    return f"{'in ' if report.in_step else ''}{phase_label(report)}{at}"
 
 
 def _what(latest: Report) -> str:
@@ -339,16 +398,22 @@ def _waiting_for(reports: dict[int, Report], ranks: list[int]) -> str:
 
 
 def rank_line(report: Report) -> str:
-    """``rank 2 (pp 0 dp 1 tp 0, host pid 7): step 3, 5.1 s: step > data | frames``."""
+    """``rank 2 (pp 0 dp 1 tp 0, host pid 7): step 3, 5.1 s: step > data | frames``;
+    ``rank 2 (...): exited with status 7 in step 3 | frames`` for a rank that left."""
     ident = [] if report.coords is None else [
         "pp {} dp {} tp {}".format(*report.coords)]
     if report.host:
         ident.append(f"{report.host} pid {report.pid}")
-    spans = " > ".join(_span_label(name, args) for name, _, args in report.spans)
     frames = " < ".join(report.frames)
+    if report.exited is not None:
+        state = (f"exited with status {report.exited} {'in ' if report.in_step else ''}"
+                 f"{phase_label(report)}")
+    else:
+        spans = " > ".join(_span_label(name, args) for name, _, args in report.spans)
+        state = (f"{phase_label(report)}, {report.seconds:.1f} s: "
+                 f"{spans or 'no open span'}")
     return (f"  rank {report.rank}" + (f" ({', '.join(ident)})" if ident else "") +
-            f": {phase_label(report)}, {report.seconds:.1f} s: {spans or 'no open span'}" +
-            (f" | {frames}" if frames else ""))
+            f": {state}" + (f" | {frames}" if frames else ""))
 
 
 def alone(report: Report, timeout: float, why: str) -> str:
@@ -402,6 +467,7 @@ class Watchdog:
         self._reports: dict[int, Report] = {}
         self._answered: set[int] = set()
         self._requests: list = []
+        self._exit_seen: float | None = None  # rank 0: when a rank's exit was first heard of
 
     def start(self, owner=None) -> Watchdog:
         """Start the thread; it watches while ``owner`` (a frame, default the caller's)
@@ -442,7 +508,12 @@ class Watchdog:
                     if late:
                         return self._end_alone(self._why_alone())
                 elif self.rank == 0:
-                    if late or self._take_reports():
+                    if self._take_exits() and self._exit_seen is None:
+                        self._exit_seen = now
+                    # a rank that exited while this one is still in the run after grace
+                    # seconds: it exited alone, and the others wait for it
+                    left = self._exit_seen is not None and now - self._exit_seen > self.grace
+                    if late or self._take_reports() or left:
                         return self._conclude()
                 else:
                     if self._asked():
@@ -483,14 +554,17 @@ class Watchdog:
     def _conclude(self) -> None:
         """Rank 0: ask every rank, collect for ``grace`` s at most, print, abort."""
         deadline = time.perf_counter() + self.grace
-        for rank in range(1, self.size):
-            self._requests.append(self.comm.isend(None, dest=rank, tag=ASK))
+        self._ask([r for r in range(1, self.size) if r not in self._answered])
         while len(self._answered) < self.size - 1 and time.perf_counter() < deadline:
-            if not self._take_reports():
+            if not (self._take_reports() | self._take_exits()):
                 time.sleep(min(self.poll, 0.05))
         self._reports[0] = self._report()
         self._write(diagnose(self._reports, self.size, self.timeout))
-        self.abort(EXIT_STALLED)
+        self.abort(abort_status(self._reports))
+
+    def _ask(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            self._requests.append(self.comm.isend(None, dest=rank, tag=ASK))
 
     def _take_reports(self) -> bool:
         """Rank 0: receive the reports that have arrived; whether there were any."""
@@ -499,11 +573,82 @@ class Watchdog:
         status, got = MPI.Status(), False
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=REPORT, status=status):
             answering, report = self.comm.recv(source=status.Get_source(), tag=REPORT)
-            self._reports[report.rank] = report
+            earlier = self._reports.get(report.rank)
+            if earlier is None or earlier.exited is None:  # an exit is its last word
+                self._reports[report.rank] = report
             if answering:
                 self._answered.add(report.rank)
             got = True
         return got
+
+    def _take_exits(self) -> bool:
+        """Rank 0: receive the reports of ranks whose run ended by a ``SystemExit``
+        (``exiting``); whether there were any. Such a rank answers nothing more."""
+        from mpi4py import MPI
+
+        status, got = MPI.Status(), False
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=EXITED, status=status):
+            report = self.comm.recv(source=status.Get_source(), tag=EXITED)
+            self._reports[report.rank] = report
+            self._answered.add(report.rank)
+            got = True
+        return got
+
+    # ---- a rank that exits ----------------------------------------------------------------
+
+    def exiting(self, err: SystemExit) -> None:
+        """This rank's run ends by ``err``; stops the thread (not collective).
+
+        When every rank exits alike (the start-up's user errors: all raise them after
+        one collective) nothing else happens. A rank that exits alone leaves the others
+        waiting for it in their next communication, and its watchdog no longer answers:
+        with ``MPI_THREAD_MULTIPLE`` it sends rank 0 its report (status, step, where it
+        was raised), and rank 0, if still in the run ``grace`` seconds later, prints
+        who left and where the others wait and ends the job with that status. Rank 0
+        exiting itself waits for the others' reports at most ``grace`` seconds, asks
+        those not heard from, and does the same if any answers from inside the run.
+        Ranks that neither exit nor answer are left to ``runtime.finalize_on_exit``,
+        which names them."""
+        self.stop()
+        if not self.threaded or self.size == 1:
+            return
+        from hpctrain.runtime import exit_status
+
+        position = self.tracer.position()
+        if position.step is not None:  # the loop's step is set only while a step runs
+            step, in_step = position.step, True
+        elif position.closed is not None and position.closed[0] is not None:
+            step, in_step = position.closed[0], False
+        else:
+            step, in_step = None, True  # the start-up
+        report = Report(self.rank, step, in_step, 0.0, (), raised_frames(err),
+                        exited=exit_status(err.code), **self.where)
+        if self.rank != 0:
+            self._requests.append(self.comm.isend(report, dest=0, tag=EXITED))
+            return
+        self._reports[0] = report
+        if self._others_still_in_run():
+            self._write(diagnose(self._reports, self.size, self.timeout))
+            self.abort(abort_status(self._reports))
+
+    def _others_still_in_run(self) -> bool:
+        """Rank 0, which exited: whether a rank reported from inside the run and did
+        not exit within ``grace`` seconds. Ranks exiting alike report at once; the
+        rest are asked after ``min(1, grace / 4)`` seconds (so that a common exit
+        sends nothing more); any report of a rank not exited says it is in the run."""
+        start = time.perf_counter()
+        asked = False
+        while time.perf_counter() - start < self.grace:
+            self._take_exits()
+            self._take_reports()
+            out = {r for r, report in self._reports.items() if report.exited is not None}
+            if len(out) == self.size:
+                return False
+            if not asked and time.perf_counter() - start > min(1.0, self.grace / 4):
+                self._ask([r for r in range(1, self.size) if r not in out])
+                asked = True
+            time.sleep(0.01)
+        return any(report.exited is None for r, report in self._reports.items() if r != 0)
 
     def _asked(self) -> bool:
         asked = False
@@ -531,6 +676,9 @@ class NullWatchdog:
     """No watchdog (``stall_timeout = 0``)."""
 
     def stop(self) -> None:
+        return None
+
+    def exiting(self, err: SystemExit) -> None:
         return None
 
 

@@ -7,6 +7,7 @@ import io
 import re
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from mpi4py import MPI
@@ -178,6 +179,63 @@ def test_every_rank_in_a_different_communication_is_a_mismatch():
     assert "  rank 1 waits in grad_norm (gradient-norm all-reduce over every rank) " \
            "for rank 0" in lines
     assert any("the ranks called different operations" in line for line in lines)
+
+
+def in_startup(rank, *spans, seconds=5.0, frames=None):
+    """A report of ``rank`` in the start-up: ``spans`` open, no step."""
+    return replace(report(rank, *spans, step=None, in_step=False, seconds=seconds,
+                          frames=frames), in_step=True)
+
+
+def test_a_rank_behind_in_the_start_up_is_named_with_its_phase():
+    # rank 0 still loads its kernels; the others have gone on to open the data and wait
+    # in its agreement: the hold-up is rank 0's phase, not theirs
+    reports = {0: in_startup(0, ("load_kernels", "other", {}),
+                             frames=("kernels.py:9 in load",))}
+    reports |= {r: in_startup(r, ("open_data", "other", {}),
+                              ("startup_check", "other", {"comm": "world_comm"}), seconds=4.0)
+                for r in (1, 2, 3)}
+    lines = lines_of(diagnose(reports, 4, timeout=5))
+    assert lines[0] == ("stall: the start-up (loading the compiled kernels) has not "
+                        "completed after 5.0 s (stall timeout 5 s); ending the job")
+    assert lines[1] == ("  ranks 1, 2, 3 wait in startup_check (agreement on the start-up's "
+                        "errors over every rank) during open_data for rank 0")
+    assert lines[2] == ("  rank 0 has not arrived: it is still in load_kernels (start-up), "
+                        "at kernels.py:9 in load")
+
+
+def exited(rank, status, *, step=3, in_step=True, shape=(4, 1, 1)):
+    """The report a rank sends when its run ended by ``SystemExit(status)``."""
+    return replace(report(rank, step=step, in_step=False, seconds=0.0, shape=shape,
+                          frames=("job.py:7 in leave", "train.py:667 in step")),
+                   in_step=in_step, exited=status)
+
+
+def test_a_rank_that_exited_alone_is_named_with_its_status_not_as_silent():
+    reports = {r: report(r, DP_WAIT) for r in (0, 2, 3)}
+    reports[1] = exited(1, 7)
+    lines = lines_of(diagnose(reports, 4, timeout=300))
+    assert lines[0] == ("exit: rank 1 left the run alone (a SystemExit) while the other "
+                        "ranks are still in it; ending the job")
+    assert lines[1] == ("  ranks 0, 2, 3 wait in dp_wait (gradient reduction over the "
+                        "data group) for rank 1")
+    assert lines[2] == ("  rank 1 has left the run: it exited with status 7 (SystemExit) "
+                        "in step 3, at job.py:7 in leave")
+    assert not any("did not answer" in line or "has not arrived" in line for line in lines)
+    assert ("  rank 1 (pp 0 dp 1 tp 0): exited with status 7 in step 3 | job.py:7 in leave "
+            "< train.py:667 in step") in lines
+    assert lines[-1] == watchdog.EXIT_HINT
+    assert watchdog.abort_status(reports) == 7
+
+
+def test_an_exit_with_status_0_after_a_step_still_ends_the_job_with_an_error():
+    reports = {0: report(0, ("loss_mean", "other", {"comm": "world_comm"}), step=2,
+                         in_step=False, shape=(2, 1, 1)),
+               1: exited(1, 0, step=2, in_step=False, shape=(2, 1, 1))}
+    lines = lines_of(diagnose(reports, 2, timeout=300))
+    assert "  rank 1 has left the run: it exited with status 0 (SystemExit) after step 2, " \
+           "at job.py:7 in leave" in lines
+    assert watchdog.abort_status(reports) == EXIT_STALLED  # the job did not finish
 
 
 # ---- the thread, on one rank -----------------------------------------------------------

@@ -86,6 +86,12 @@ def plan_buckets(sizes: list[int], itemsize: int, bucket_mb: float,
     return buckets
 
 
+class HelperError(RuntimeError):
+    """A helper thread that moves non-blocking sums while the training thread computes
+    (``GradBuckets``, ZeRO 3's ``Progress``) failed; its error is the ``__cause__``,
+    raised on the training thread so the run ends as for any other error."""
+
+
 @dataclass
 class Bucket:
     """Parameters ``params`` (backward order) at ``[start, start + size)`` of the flat
@@ -155,6 +161,7 @@ class GradBuckets:
         self.poll_interval = poll_interval
         self._lock = threading.Lock()  # the bookkeeping the hook and the helper share
         self._wake = threading.Event()
+        self._error: BaseException | None = None  # the helper's, for the training thread
         self._stopping = False
         self.buckets, self.sizes = _layout(list(reversed(params)), bucket_mb, align)
         self.bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
@@ -223,6 +230,7 @@ class GradBuckets:
         """The engine's hook: ``params``' gradients are final for this step. Complete
         buckets are launched in order, by the helper thread (started here) or here."""
         t0 = time.perf_counter()
+        self._raise_helper_error()
         with self._lock:
             for p in params:
                 if id(p) in self._reported:
@@ -246,13 +254,18 @@ class GradBuckets:
         until the next hook while nothing is out, and ``poll_interval`` while
         something is, so it costs a few wake-ups per bucket, not one per interval."""
         done = True
-        while True:
-            self._wake.wait(None if done else self.poll_interval)
-            self._wake.clear()  # before reading the counts: no report is missed
-            if self._stopping:
-                return
-            self._launch_ready()
-            done = self._test()
+        try:
+            while True:
+                self._wake.wait(None if done else self.poll_interval)
+                self._wake.clear()  # before reading the counts: no report is missed
+                if self._stopping:
+                    return
+                self._launch_ready()
+                done = self._test()
+        except BaseException as err:  # noqa: BLE001 - the training thread raises it
+            # unhandled here, Python would print it without the rank and training would
+            # go on: the bucket it was launching never summed, the replicas apart
+            self._error = err
 
     def _stop_helper(self) -> None:
         if self._helper is not None:
@@ -260,6 +273,16 @@ class GradBuckets:
             self._wake.set()
             self._helper.join()
             self._helper = None
+        self._raise_helper_error()
+
+    def _raise_helper_error(self) -> None:
+        """The helper's error, raised on the training thread (once): at the next hook,
+        the wait for the sums or the next step's zeroing, whichever comes first."""
+        err, self._error = self._error, None
+        if err is not None:
+            raise HelperError(f"the data-parallel reduction's helper thread, which "
+                              f"launches and moves the gradient buckets' sums, failed: "
+                              f"{type(err).__name__}: {err}") from err
 
     def _launch_ready(self) -> None:
         while True:

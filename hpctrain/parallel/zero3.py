@@ -33,6 +33,9 @@ One training step of a 2-piece chain (A, B), collective over ``dp_comm``::
   helper thread tests the outstanding requests every millisecond while the main
   thread computes (``Progress``; requests are only *posted* by the main thread, in
   the same order on every rank, so gathers and reduce-scatters share ``dp_comm``).
+  An error in the helper is raised on the main thread where it next posts, tests or
+  waits (``HelperError``, the helper's own traceback chained), so that the run ends
+  as for any other error, never goes on without the helper.
 * **Gradients**: a unit's full gradient buffer exists from its first backward in a
   step until the engine reports all its parameters final (``on_grads_ready``, the
   last microbatch), when it is **reduce-scattered** into the unit's persistent
@@ -68,7 +71,7 @@ import numpy as np
 from hpctrain import trace
 from hpctrain.checkpoint.state import Held, optimizer_entries, param_sharding
 from hpctrain.optim import clip
-from hpctrain.parallel.data import POLL_INTERVAL, state_nbytes
+from hpctrain.parallel.data import POLL_INTERVAL, HelperError, state_nbytes
 from hpctrain.parallel.zero import ShardPiece, counted_once, shard_grad_norm
 
 
@@ -90,7 +93,9 @@ class Progress:
     ``poll_interval`` seconds while anything is outstanding. One lock guards every
     call on a request (MPI forbids two threads touching one request at once). Without
     ``MPI_THREAD_MULTIPLE`` (or ``poll_interval`` 0) there is no thread: requests move
-    when the main thread tests or waits.
+    when the main thread tests or waits. An exception in the helper ends it and is
+    raised (as ``HelperError``) by the main thread's next ``post``, ``test``, ``wait``
+    or ``stop``: the error ends the run where it would have ended it without a helper.
     """
 
     def __init__(self, poll_interval: float):
@@ -105,6 +110,7 @@ class Progress:
         self._pending: list = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._error: BaseException | None = None  # the helper's, for the main thread
 
     def add(self, request: Any) -> None:
         self.post(lambda: request)
@@ -115,6 +121,7 @@ class Progress:
         ``Pending``) shares its queue with the requests posted before it, which the
         helper's ``Test`` moves on: posting outside the lock raced it (a deque mutated
         while it was walked, a phase posted twice or never: a crash or a hang)."""
+        self._raise_helper_error()
         with self._lock:
             request = start()
             if request is not None:
@@ -133,23 +140,38 @@ class Progress:
             self._wake.set()
 
     def test(self, request: Any) -> bool:
+        self._raise_helper_error()
         with self._lock:
             return bool(request.Test())
 
     def wait(self, request: Any) -> None:
+        self._raise_helper_error()
         with self._lock:
             request.Wait()
 
     def _drive(self) -> None:
         busy = False
-        while True:
-            self._wake.wait(self.poll_interval if busy else None)
-            self._wake.clear()
-            if self._stopping:
-                return
-            with self._lock:
-                self._pending = [r for r in self._pending if not r.Test()]
-                busy = bool(self._pending)
+        try:
+            while True:
+                self._wake.wait(self.poll_interval if busy else None)
+                self._wake.clear()
+                if self._stopping:
+                    return
+                with self._lock:
+                    self._pending = [r for r in self._pending if not r.Test()]
+                    busy = bool(self._pending)
+        except BaseException as err:  # noqa: BLE001 - the main thread raises it
+            # unhandled here, Python would print it without the rank and the run would
+            # go on, each request then moved only by the main thread's waits
+            self._error = err
+
+    def _raise_helper_error(self) -> None:
+        err = self._error
+        if err is not None:
+            self._error = None  # raised once; the helper has ended
+            raise HelperError(f"ZeRO 3's helper thread, which moves the parameter "
+                              f"gathers and gradient reduce-scatters, failed: "
+                              f"{type(err).__name__}: {err}") from err
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -158,6 +180,7 @@ class Progress:
             self._thread.join()
             self._thread = None
         self._pending = []
+        self._raise_helper_error()
 
 
 class Unit:
