@@ -283,11 +283,18 @@ def train_params(args: list[str], where: str = "",
     """``hpctrain train``'s option words ``args`` parsed by its own parser (the config
     path aside): its parameters, or a ConfigError prefixed by ``where`` (``on_help``
     for a ``--help`` among them)."""
+    return command_params(train, "train", args, where, on_help)
+
+
+def command_params(command: click.Command, name: str, args: list[str], where: str,
+                   on_help: str) -> dict:
+    """``hpctrain NAME``'s option words ``args`` parsed by ``command``'s own parser (the
+    config path aside), as ``train_params`` does for ``train``."""
     prefix = f"{where}: " if where else ""
     try:
-        return train.make_context("train", ["--config", "-", *args]).params
+        return command.make_context(name, ["--config", "-", *args]).params
     except click.ClickException as err:
-        raise ConfigError(f"{prefix}{err.format_message()} (hpctrain train --help lists "
+        raise ConfigError(f"{prefix}{err.format_message()} (hpctrain {name} --help lists "
                           f"the options)") from None
     except click.exceptions.Exit:  # --help
         raise ConfigError(f"{prefix}{on_help}") from None

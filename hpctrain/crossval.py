@@ -17,6 +17,10 @@ not trained again; the fold that was stopped resumes from its latest checkpoint,
 loss curve that of an uninterrupted run; the rest train. A fold's earlier run made
 with another config is refused before any fold trains, as is a fresh cross-validation
 (no ``--resume``) whose folds would overwrite an earlier one's checkpoints.
+
+Two cross-validations in one folder are not: the command holds ``<run_dir>`` by its
+lock file (``hpctrain.runlock``) from before it reads the folds' folders until it
+ends, and each fold's run holds its own folder, as ``train`` does.
 """
 
 from __future__ import annotations
@@ -219,9 +223,8 @@ def cv_command(config_path: str, folds: int | None, steps: int | None,
     from mpi4py import MPI
 
     from hpctrain import config as config_mod
-    from hpctrain.data.format import RATINGS
+    from hpctrain import runlock
     from hpctrain.data.ratings import read_ratings
-    from hpctrain.models.registry import model_class
     from hpctrain.runtime import EXIT_INTERRUPTED, abort_on_error, startup_check
 
     comm = MPI.COMM_WORLD
@@ -231,55 +234,84 @@ def cv_command(config_path: str, folds: int | None, steps: int | None,
 
     def setup():
         cfg = config_mod.load(config_path, overrides).validate(comm.Get_size())
-        reads = model_class(cfg.model.kind).data_format
-        if reads != RATINGS:
-            raise config_mod.ConfigError(
-                f"{config_path}: its model ({cfg.model.kind}) reads {reads} data; hpctrain "
-                f"cv validates models of {RATINGS} data on their folds (e.g. "
-                f"configs/dlrm-movielens.toml)")
-        if cfg.train.eval_interval <= 0:
-            raise config_mod.ConfigError(
-                f"{config_path}: eval_interval ({cfg.train.eval_interval}) must be > 0: "
-                f"cv reads each fold's RMSE from its evaluation after the last step")
+        check_config(cfg, config_path)
         held = read_ratings(cfg.data.path).folds
         n = held if folds is None else folds
-        if not 1 <= n <= held:
-            raise config_mod.ConfigError(f"--folds ({n}) must be between 1 and the {held} "
-                                         f"folds {cfg.data.path} holds")
-        done = None
-        if comm.Get_rank() == 0:
-            check_result_path(cfg.train.run_dir)
-            done = earlier_folds(cfg, list(range(n)), resume)
-        return cfg, list(range(n)), done
+        check_folds(n, held, cfg.data.path)
+        return cfg, list(range(n))
 
+    def earlier(cfg, fold_list):
+        check_result_path(cfg.train.run_dir)
+        return earlier_folds(cfg, fold_list, resume)
+
+    rank0 = comm.Get_rank() == 0
+    say = click.echo if rank0 else (lambda _line: None)
     with abort_on_error(comm):
-        cfg, fold_list, done = startup_check(comm, setup)
-        done = comm.bcast(done, root=0) if resume else None
-        say = click.echo if comm.Get_rank() == 0 else (lambda _line: None)
-        say(f"{len(fold_list)}-fold cross-validation of {config_path} on {comm.Get_size()} "
-            f"rank(s), {cfg.train.steps} steps per fold; load {_load()}")
-        if done is not None:
-            say(f"--resume: {len(done)} fold(s) finished earlier in {cfg.train.run_dir}"
-                + (f" ({', '.join(map(str, sorted(done)))})" if done else ""))
-        result = cross_validate(cfg, comm, fold_list, say, done)
-        if "stopped" in result:
-            say(f"cross-validation stopped in fold {result['stopped']}; its run and the "
-                f"finished folds are kept in {cfg.train.run_dir}: run the same command "
-                f"with --resume to continue")
-        elif comm.Get_rank() == 0:
-            result["load_after"] = _load()
-            kept = write_result(cfg.train.run_dir, result)
-            if kept is not None:
-                click.echo(f"an earlier cv.json in {cfg.train.run_dir}: kept as {kept.name}")
-            click.echo(f"RMSE per fold: {' '.join(f'{r:.4f}' for r in result['rmse'])}")
-            earlier = (f" ({len(result['earlier'])} of them finished earlier)"
-                       if result["earlier"] else "")
-            click.echo(f"mean RMSE {result['mean']:.4f} (std {result['std']:.4f}) over "
-                       f"{len(fold_list)} folds{earlier} in {result['seconds']:.1f} s on "
-                       f"{comm.Get_size()} rank(s); load {result['load_after']}")
+        cfg, fold_list = startup_check(comm, setup)
+        # the folder first (each fold's run then holds its own): a live cross-validation's
+        # folds are no earlier one's
+        with runlock.held(comm, cfg.train.run_dir, "cv", say):
+            done = startup_check(comm, lambda: earlier(cfg, fold_list) if rank0 else None)
+            done = comm.bcast(done, root=0) if resume else None
+            result = _cross_validate_and_report(cfg, comm, fold_list, done, config_path, say)
     preempt.ignore()  # the folds are over, saved or finished: a late signal changes nothing
     if "stopped" in result:
         sys.exit(EXIT_INTERRUPTED if result["stop"].interrupted else preempt.EXIT_PREEMPTED)
+
+
+def check_config(cfg: Any, config_path: str) -> None:
+    """cv's rules for a config already validated: a model of ratings data (the folds
+    are a ratings file's), evaluated (each fold's RMSE is its last evaluation's)."""
+    from hpctrain.config import ConfigError
+    from hpctrain.data.format import RATINGS
+    from hpctrain.models.registry import model_class
+
+    reads = model_class(cfg.model.kind).data_format
+    if reads != RATINGS:
+        raise ConfigError(f"{config_path}: its model ({cfg.model.kind}) reads {reads} data; "
+                          f"hpctrain cv validates models of {RATINGS} data on their folds "
+                          f"(e.g. configs/dlrm-movielens.toml)")
+    if cfg.train.eval_interval <= 0:
+        raise ConfigError(f"{config_path}: eval_interval ({cfg.train.eval_interval}) must be "
+                          f"> 0: cv reads each fold's RMSE from its evaluation after the last "
+                          f"step")
+
+
+def check_folds(n: int, held: int, data_path: str) -> None:
+    """``--folds`` against the folds the ratings file holds."""
+    from hpctrain.config import ConfigError
+
+    if not 1 <= n <= held:
+        raise ConfigError(f"--folds ({n}) must be between 1 and the {held} folds {data_path} "
+                          f"holds")
+
+
+def _cross_validate_and_report(cfg: Any, comm: Any, fold_list: list[int],
+                               done: dict[int, float] | None, config_path: str,
+                               say) -> dict[str, Any]:
+    """``cross_validate`` with rank 0's lines around it and ``cv.json`` written."""
+    say(f"{len(fold_list)}-fold cross-validation of {config_path} on {comm.Get_size()} "
+        f"rank(s), {cfg.train.steps} steps per fold; load {_load()}")
+    if done is not None:
+        say(f"--resume: {len(done)} fold(s) finished earlier in {cfg.train.run_dir}"
+            + (f" ({', '.join(map(str, sorted(done)))})" if done else ""))
+    result = cross_validate(cfg, comm, fold_list, say, done)
+    if "stopped" in result:
+        say(f"cross-validation stopped in fold {result['stopped']}; its run and the "
+            f"finished folds are kept in {cfg.train.run_dir}: run the same command "
+            f"with --resume to continue")
+    elif comm.Get_rank() == 0:
+        result["load_after"] = _load()
+        kept = write_result(cfg.train.run_dir, result)
+        if kept is not None:
+            say(f"an earlier cv.json in {cfg.train.run_dir}: kept as {kept.name}")
+        say(f"RMSE per fold: {' '.join(f'{r:.4f}' for r in result['rmse'])}")
+        earlier = (f" ({len(result['earlier'])} of them finished earlier)"
+                   if result["earlier"] else "")
+        say(f"mean RMSE {result['mean']:.4f} (std {result['std']:.4f}) over "
+            f"{len(fold_list)} folds{earlier} in {result['seconds']:.1f} s on "
+            f"{comm.Get_size()} rank(s); load {result['load_after']}")
+    return result
 
 
 def _load() -> str:

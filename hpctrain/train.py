@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from hpctrain import preempt, trace, watchdog
+from hpctrain import preempt, runlock, trace, watchdog
 from hpctrain.checkpoint.background import BackgroundWriter
 from hpctrain.checkpoint.format import INDEX_NAME
 from hpctrain.checkpoint.retention import NO_PRUNING, Retention
 from hpctrain.checkpoint.state import schedule_of
-from hpctrain.checkpoint.training import checkpoint_root
+from hpctrain.checkpoint.training import averaging_changes, checkpoint_root
 from hpctrain.checkpoint.writer import arrive
 from hpctrain.config import Config
 from hpctrain.data import eval_batches, open_loader
@@ -376,6 +376,10 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
         else:
             kept = "" if sched == schedule_of(cfg) else f", keeping its schedule {sched}"
         writer.say(f"resumed from {resumed.path} after step {resumed.step}{kept}")
+        for name, old, new in averaging_changes(resumed.meta, cfg):
+            writer.say(f"warning: {name} {new} where the checkpoint's run had {old} "
+                       f"(averaging {cfg.parallel.averaging!r}): the new value applies "
+                       f"from step {resumed.step + 1}")
         ends = sched.get("total_steps", cfg.train.steps)
         if cfg.train.steps > max(ends, resumed.step) and sched["min_lr"] != sched["lr"]:
             writer.say(f"warning: the schedule ends at step {ends} and the run goes on to "
@@ -440,9 +444,13 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
     # checkpoint leaves the others in startup_check's collective), each step, and the
     # work between and after
     watch = watchdog.start(topo, tracer, cfg.train.stall_timeout)
-    memory = None
+    memory = lock = None
     try:
         with _phase(tracer, "check_outputs"):
+            # one run at a time in the folder (hpctrain.runlock), taken before the
+            # check: a live run's checkpoints are no earlier run's to be continued
+            lock = runlock.take(comm, cfg.train.run_dir, "train",
+                                None if quiet else functools.partial(print, flush=True))
             startup_check(comm, lambda: _check_outputs(cfg, resume, trace_path)
                           if comm.Get_rank() == 0 else None)
         with _phase(tracer, "load_kernels"):  # numba's machine code now, not in a step
@@ -464,6 +472,8 @@ def train(cfg: Config, comm: Any, *, quiet: bool = False, resume: str | None = N
         raise
     finally:
         watch.stop()
+        if lock is not None:  # finished, failed or preempted, the folder is free again
+            lock.release()
     if memory is not None:
         memory.stop()
     topo.free()

@@ -140,6 +140,41 @@ def config_hint(saved: dict, cfg: Any) -> str:
     return hint
 
 
+# the averaging settings a resume may change: (config field, key in the checkpoint's
+# averaging metadata or None: read from its config, the strategies that use it)
+AVERAGING_SETTINGS = (
+    ("average_every", "every", ("periodic", "post_local", "diloco", "hierarchical")),
+    ("sync_steps", "sync_steps", ("post_local",)),
+    ("outer_lr", None, ("diloco",)),
+    ("outer_momentum", None, ("diloco",)),
+)
+
+
+def averaging_changes(meta: dict, cfg: Any) -> list[tuple[str, Any, Any]]:
+    """``(setting, checkpoint's value, this run's)`` for each averaging hyperparameter
+    of the run's strategy that a resume changes. A change the strategy cannot go on
+    with (another strategy or dp, a post_local step made synchronous again) is refused
+    by its ``load_meta``; these it goes on with, from the resumed step: the period
+    counts from the last meeting, whose parameters the checkpoint holds (``model/``),
+    so DiLoCo's first outer step after a new ``average_every`` spans the steps since
+    that meeting, whatever their number."""
+    saved = meta.get("averaging")
+    if saved is None:
+        return []
+    par = cfg.parallel
+    config = (meta.get("config") or {}).get("parallel", {})
+    changes = []
+    for name, key, strategies in AVERAGING_SETTINGS:
+        if par.averaging not in strategies:
+            continue
+        old = saved.get(key) if key is not None else None
+        old = config.get(name) if old is None else old
+        new = getattr(par, name)
+        if old is not None and old != new:
+            changes.append((name, old, new))
+    return changes
+
+
 def check_share(topo: Any, held: list) -> tuple[int, int]:
     """``(k, n)``: this rank is the k-th of the n ranks of its node that hold the same
     arrays (names, dtypes, shardings), which read the same pieces from one page cache

@@ -7,7 +7,17 @@ from pathlib import Path
 import click
 
 from hpctrain.config import ConfigError
-from hpctrain.slurm.render import TEMPLATES, JobRequest, check_config, check_fit, render
+from hpctrain.slurm.render import (
+    COMMANDS,
+    TEMPLATES,
+    JobRequest,
+    check_config,
+    check_fit,
+    render,
+)
+
+# the config a job runs when --config is not given
+DEFAULT_CONFIGS = {"train": "configs/gpt-shakespeare.toml", "cv": "configs/dlrm-movielens.toml"}
 
 
 @click.group("slurm")
@@ -16,6 +26,10 @@ def slurm() -> None:
 
 
 @slurm.command("render")
+@click.option("--command", type=click.Choice(COMMANDS), default="train", show_default=True,
+              help="What the job runs: hpctrain train, or hpctrain cv (k-fold cross-"
+                   "validation of a ratings model; its layout is the config's [parallel] "
+                   "table, so no --dp/--tp/--pp, and --train-args holds cv's options).")
 @click.option("--nodes", type=int, default=1, show_default=True, help="Nodes to allocate.")
 @click.option("--ranks-per-node", type=int, required=True, help="MPI ranks on each node.")
 @click.option("--cpus-per-task", type=int, default=1, show_default=True,
@@ -25,13 +39,16 @@ def slurm() -> None:
 @click.option("--dp", type=int, help="Data-parallel size [default: ranks // (tp * pp)].")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
-@click.option("--config", "config_path", default="configs/gpt-shakespeare.toml",
-              show_default=True, help="The run's TOML config (validated for this layout).")
-@click.option("--job-name", default="hpctrain-train", show_default=True,
-              help="Name shown by squeue.")
+@click.option("--config", "config_path",
+              help="The run's TOML config (validated for this layout) [default: "
+                   f"{DEFAULT_CONFIGS['train']}, for cv {DEFAULT_CONFIGS['cv']}].")
+@click.option("--job-name", help="Name shown by squeue [default: hpctrain-train, or "
+                                 "hpctrain-cv].")
 @click.option("--partition", help="SLURM partition (queue) to run in.")
 @click.option("--account", help="SLURM account to charge.")
-@click.option("--train-args", default="", help='Further options, e.g. "--microbatches 4".')
+@click.option("--train-args", default="",
+              help='Further options of the command, read by its own parser: train\'s (e.g. '
+                   '"--microbatches 4") or cv\'s (e.g. "--folds 5 --steps 200").')
 @click.option("--hpctrain", "hpctrain_cmd", default="hpctrain", show_default=True,
               help="The hpctrain command on the compute nodes.")
 @click.option("--launcher", type=click.Choice(["auto", "srun", "mpiexec"]), default="auto",
@@ -43,15 +60,20 @@ def slurm() -> None:
               default=TEMPLATES / "train.sbatch", show_default=True, help="Template to fill.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the script here [default: standard output].")
-def render_cmd(template, output, config_path, time_limit, hpctrain_cmd, **options) -> None:
+def render_cmd(template, output, command, config_path, job_name, time_limit, hpctrain_cmd,
+               **options) -> None:
     """Fill the training template for a layout, refusing one that does not fit.
 
     \b
     Examples:
       hpctrain slurm render --nodes 2 --ranks-per-node 4 --tp 2 --pp 2 -o job.sbatch
       hpctrain slurm render --ranks-per-node 8 --tp 4 --partition compute --time 02:00:00
+      hpctrain slurm render --command cv --ranks-per-node 2 \\
+          --config configs/dlrm-movielens.toml --train-args "--folds 5" -o cv.sbatch
     """
-    req = JobRequest(config=config_path, time=time_limit, hpctrain=hpctrain_cmd, **options)
+    req = JobRequest(command=command, config=config_path or DEFAULT_CONFIGS[command],
+                     job_name=job_name or f"hpctrain-{command}", time=time_limit,
+                     hpctrain=hpctrain_cmd, **options)
     try:
         dp = check_fit(req)
         check_config(req, dp)
@@ -67,5 +89,7 @@ def render_cmd(template, output, config_path, time_limit, hpctrain_cmd, **option
         except OSError as err:
             raise click.BadParameter(f"cannot write {output}: {err.strerror or err}",
                                      param_hint="'-o' / '--output'") from None
+        layout = (f"dp={dp} tp={req.tp} pp={req.pp}" if command == "train"
+                  else f"hpctrain cv at {req.config}'s layout")
         click.echo(f"wrote {output}: {req.nodes} node(s) x {req.ranks_per_node} ranks, "
-                   f"dp={dp} tp={req.tp} pp={req.pp}; submit with: sbatch {output}", err=True)
+                   f"{layout}; submit with: sbatch {output}", err=True)

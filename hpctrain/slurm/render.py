@@ -15,6 +15,11 @@ must divide n_head (8)``), a misspelt option or a bad value fails here, before a
 is submitted. ``render`` refuses a time limit no longer than the template's preemption
 warning (``--signal=B:USR1@120``), which would signal and requeue every attempt as it
 starts.
+
+A cross-validation job (``command = "cv"``, the template's ``COMMAND=cv``) runs ``hpctrain
+cv``, which takes no layout options: its layout is the config's ``[parallel]`` table,
+checked against the allocation as above, and ``--train-args`` holds cv's own options
+(``--folds``, ``--steps``), read by cv's parser and checked by cv's rules.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "jobscripts"
 
 
 LAUNCHERS = ("auto", "srun", "mpiexec")
+COMMANDS = ("train", "cv")  # what the template's COMMAND runs
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,10 @@ class JobRequest:
     job_name: str = "hpctrain-train"
     partition: str | None = None
     account: str | None = None
-    train_args: str = ""  # further `hpctrain train` options
+    train_args: str = ""  # further options of the command (train's, or cv's)
     hpctrain: str = "hpctrain"
     launcher: str = "auto"  # srun, mpiexec, or auto (train.sbatch says how it chooses)
+    command: str = "train"  # or "cv": k-fold cross-validation, the config's layout
 
     @property
     def ranks(self) -> int:
@@ -64,6 +71,13 @@ def check_fit(req: JobRequest) -> int:
                           f"0-23 after a day count")
     if req.launcher not in LAUNCHERS:
         raise ConfigError(f"launcher ({req.launcher!r}) must be one of {', '.join(LAUNCHERS)}")
+    if req.command not in COMMANDS:
+        raise ConfigError(f"command ({req.command!r}) must be one of {', '.join(COMMANDS)}")
+    given = [f"--{name} {size}" for name, size, unset in
+             (("dp", req.dp, None), ("tp", req.tp, 1), ("pp", req.pp, 1)) if size != unset]
+    if req.command == "cv" and given:
+        raise ConfigError(f"hpctrain cv takes no --dp, --tp or --pp ({', '.join(given)}): it "
+                          f"runs the layout of its config's [parallel] table; set them there")
     for name, size in (("dp", req.dp), ("tp", req.tp), ("pp", req.pp)):
         if size is not None and size < 1:  # before dividing by tp * pp
             raise ConfigError(f"{name} ({size}) must be at least 1")
@@ -107,12 +121,61 @@ def _is_time_limit(text: str) -> bool:
 
 def check_config(req: JobRequest, dp: int) -> None:
     """Validate the run's config file for this layout and ``--train-args``, as every
-    rank would."""
+    rank would; for cv, its own rules too, and the config's layout for the allocation."""
     from hpctrain import config as config_mod
 
+    if req.command == "cv":
+        check_cv(req)
+        return
     overrides = {**train_overrides(req.train_args),
                  "parallel.dp": dp, "parallel.tp": req.tp, "parallel.pp": req.pp}
     config_mod.load(req.config, overrides).validate(req.ranks)
+
+
+# set by the template's cv line (cv --config "$CONFIG" --run-dir "$RUN_DIR" --resume)
+CV_OWN_OPTIONS = ("--config", "--run-dir", "--resume")
+
+
+def check_cv(req: JobRequest) -> None:
+    """What ``hpctrain cv`` checks before its first fold, for the job's rank count:
+    ``--train-args`` read by cv's own parser, the config with cv's ``--steps`` valid
+    at ``req.ranks``, its model one of ratings data that evaluates, its tensor group on
+    one node; and ``--folds`` against the data file when it can be read from here (the
+    job's folder may differ)."""
+    from hpctrain import config as config_mod
+    from hpctrain.crossval import check_config as check_cv_config
+    from hpctrain.crossval import check_folds
+
+    params = cv_params(req.train_args)
+    overrides = {} if params["steps"] is None else {"train.steps": params["steps"]}
+    cfg = config_mod.load(req.config, overrides).validate(req.ranks)
+    check_cv_config(cfg, req.config)
+    if req.ranks_per_node % cfg.parallel.tp != 0:
+        raise ConfigError(f"tp ({cfg.parallel.tp}, {req.config}) must divide ranks per node "
+                          f"({req.ranks_per_node}): a tensor group must sit on one node")
+    if params["folds"] is not None and Path(cfg.data.path).is_file():
+        from hpctrain.data.ratings import read_ratings
+
+        check_folds(params["folds"], read_ratings(cfg.data.path).folds, cfg.data.path)
+    elif params["folds"] is not None and params["folds"] < 1:
+        raise ConfigError(f"--folds ({params['folds']}) must be at least 1")
+
+
+def cv_params(cv_args: str) -> dict:
+    """``hpctrain cv``'s parameters from ``--train-args``, read by its own parser (the
+    job's own options refused)."""
+    from hpctrain.cli import command_params
+    from hpctrain.crossval import cv_command
+
+    args = cv_args.split()
+    where = f"--train-args ({cv_args!r})"
+    own = next((a for a in args if a.split("=")[0] in CV_OWN_OPTIONS), None)
+    if own is not None:
+        raise ConfigError(f"{where}: {own.split('=')[0]} is the job's own option: the "
+                          f"template runs cv --config CONFIG --run-dir RUN_DIR --resume "
+                          f"(give --config to render, RUN_DIR to sbatch)")
+    return command_params(cv_command, "cv", args, where,
+                          "holds no cross-validation's options")
 
 
 # set by the job itself (the layout, the config): not accepted in --train-args
@@ -156,9 +219,9 @@ def render(template: str, req: JobRequest, dp: int) -> str:
     sbatch = {"job-name": req.job_name, "nodes": req.nodes,
               "ntasks-per-node": req.ranks_per_node, "cpus-per-task": req.cpus_per_task,
               "time": req.time, "partition": req.partition, "account": req.account}
-    layout = f"--dp {dp} --tp {req.tp} --pp {req.pp}"
+    layout = f"--dp {dp} --tp {req.tp} --pp {req.pp}" if req.command == "train" else ""
     defaults = {"CONFIG": req.config, "HPCTRAIN": req.hpctrain, "LAUNCHER": req.launcher,
-                "TRAIN_ARGS": f"{layout} {req.train_args}".strip()}
+                "TRAIN_ARGS": f"{layout} {req.train_args}".strip(), "COMMAND": req.command}
     lines = []
     for line in template.splitlines():
         lines.append(_render_line(line, sbatch, defaults))
