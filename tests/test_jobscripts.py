@@ -89,7 +89,7 @@ def test_time_limits_in_seconds(time, seconds):
     (["--pp", "0"], "pp (0) must be at least 1"),
     (["--hpctrain", "$HOME/venv/bin/hpctrain"],
      "HPCTRAIN ('$HOME/venv/bin/hpctrain') must not contain \" $ ` or \\"),
-    (["--train-args", "--run-dir $SCRATCH/run1"], "must not contain \" $ ` or \\"),
+    (["--train-args", "--trace $SCRATCH/trace.json"], "must not contain \" $ ` or \\"),
     (["--ranks-per-node", "3", "--tp", "3"], "tp (3) must divide n_head (4)"),
     (["--ranks-per-node", "0"], "ranks per node (0)"),
     (["--time", "2h"], "time ('2h') must look like"),
@@ -143,6 +143,10 @@ def test_render_validates_the_model_for_the_layout(tmp_path):
                          "(2 * 3 = 6)"),
     ("--tp=2", "--tp is the job's own option: give it to render"),
     ("--config other.toml", "--config is the job's own option"),
+    # the template's --run-dir "$RUN_DIR" came first, so this one won, silently
+    ("--run-dir elsewhere", "--run-dir is the job's own option: the job's folder is "
+                            "RUN_DIR, given to sbatch"),
+    ("--resume=auto", "--resume is the job's own option: every attempt runs --resume auto"),
 ])
 def test_render_reads_the_training_options_as_train_does(tmp_path, train_args, message):
     """--train-args go through `hpctrain train`'s own parser and the config's rules:

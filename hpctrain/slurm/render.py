@@ -178,8 +178,15 @@ def cv_params(cv_args: str) -> dict:
                           "holds no cross-validation's options")
 
 
-# set by the job itself (the layout, the config): not accepted in --train-args
-OWN_OPTIONS = ("--dp", "--tp", "--pp", "--config")
+# set by the job itself, not accepted in --train-args: what to do instead
+OWN_OPTIONS = {"--dp": "give it to render (--dp, --tp, --pp, --config)",
+               "--tp": "give it to render (--dp, --tp, --pp, --config)",
+               "--pp": "give it to render (--dp, --tp, --pp, --config)",
+               "--config": "give it to render (--dp, --tp, --pp, --config)",
+               # the template's own, after TRAIN_ARGS would win: RUN_DIR silently ignored
+               "--run-dir": "the job's folder is RUN_DIR, given to sbatch (RUN_DIR=DIR "
+                            "sbatch JOB; default runs/slurm-JOBID)",
+               "--resume": "every attempt runs --resume auto in RUN_DIR"}
 
 
 def train_overrides(train_args: str) -> dict:
@@ -190,10 +197,10 @@ def train_overrides(train_args: str) -> dict:
 
     args = train_args.split()
     where = f"--train-args ({train_args!r})"
-    own = next((a for a in args if a.split("=")[0] in OWN_OPTIONS), None)
+    own = next((a.split("=")[0] for a in args if a.split("=")[0] in OWN_OPTIONS), None)
     if own is not None:
-        raise ConfigError(f"{where}: {own.split('=')[0]} is the job's own option: give it "
-                          f"to render (--dp, --tp, --pp, --config), not in --train-args")
+        raise ConfigError(f"{where}: {own} is the job's own option: {OWN_OPTIONS[own]}, "
+                          f"not in --train-args")
     params = train_params(args, where)
     return config_overrides(params, params.get("table_plan"))
 
