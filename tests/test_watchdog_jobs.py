@@ -8,6 +8,7 @@ the subprocess timeout: a failure, not a hang. One rank that exits alone
 
 Serial suite: each test launches its own ``mpiexec`` (never from inside an MPI test)."""
 
+import os
 import re
 import sys
 import textwrap
@@ -38,6 +39,15 @@ CONFIG = textwrap.dedent("""
     path = "{{data}}"
 """)
 JOB = Path(__file__).with_name("watchdog_job.py")
+# the status of MPI_Abort is the job's under the pip MPICH; Debian's MPICH 4.0 hydra may
+# return 9 instead, the SIGKILL of the ranks it killed (DEVELOPERS.md): there, non-zero
+EXACT_STATUS = os.environ.get("HPCTRAIN_EXPECT_MPI") != "mpich"
+
+
+def ended_with(code: int, status: int) -> bool:
+    """Whether the job's status ``code`` is the abort's ``status`` (as exactly as the
+    launcher reports it)."""
+    return code == status if EXACT_STATUS else code != 0
 SLEEP = 90.0  # seconds the stalled rank sleeps: longer than any test waits
 
 
@@ -159,7 +169,7 @@ def test_a_rank_exiting_alone_mid_run_is_named_with_its_status_and_the_job_ends(
     # so the job ends well within the 20 s stall timeout, with the exit's status
     code, err, seconds = stall(configs[0], tmp_path / "run", 4, timeout=20.0, rank=rank,
                                at=3, where="data", layout=("--dp", "4"), exit=7)
-    assert code == 7 and seconds < 20, (code, seconds, err)
+    assert ended_with(code, 7) and seconds < 20, (code, seconds, err)
     assert (f"exit: rank {rank} left the run alone (a SystemExit) while the other ranks are "
             f"still in it; ending the job") in err, err
     others = ", ".join(str(r) for r in range(4) if r != rank)
@@ -175,7 +185,7 @@ def test_an_error_in_zero3s_helper_thread_ends_the_job_with_the_rank(configs, tm
     # without the helper, the job's status 0
     code, err, seconds = stall(configs[0], tmp_path / "run", 2, timeout=3.0, rank=1, at=3,
                                where="helper", layout=("--dp", "2", "--zero", "3"))
-    assert code == EXIT_CRASH and seconds <= 10, (code, seconds, err)
+    assert ended_with(code, EXIT_CRASH) and seconds <= 10, (code, seconds, err)
     assert ("[rank 1] hpctrain.parallel.data.HelperError: ZeRO 3's helper thread, which "
             "moves the parameter gathers and gradient reduce-scatters, failed: "
             "RuntimeError: the helper's test of a gather fails on purpose") in err, err
@@ -188,7 +198,7 @@ def test_an_error_in_the_bucket_helper_thread_ends_the_job_with_the_rank(configs
     # bucket being launched was never summed, the replicas' gradients apart
     code, err, seconds = stall(configs[0], tmp_path / "run", 2, timeout=3.0, rank=1, at=3,
                                where="buckets", layout=("--dp", "2"))
-    assert code == EXIT_CRASH and seconds <= 10, (code, seconds, err)
+    assert ended_with(code, EXIT_CRASH) and seconds <= 10, (code, seconds, err)
     assert ("[rank 1] hpctrain.parallel.data.HelperError: the data-parallel reduction's "
             "helper thread, which launches and moves the gradient buckets' sums, failed: "
             "RuntimeError: the helper's launch of a bucket fails on purpose") in err, err
