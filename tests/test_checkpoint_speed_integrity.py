@@ -176,19 +176,27 @@ def as_old_version(path: Path, version: int) -> None:
         f.create_dataset("tensors", data=raw).attrs["sha256"] = fmt.sha256_array(raw)
 
 
-def _old_version_loads_and_is_checked(tmp_path, version: int):
-    """Save, rewrite as ``version``, load into a zeroed engine, then flip a value:
-    the checkpoint as the reader of ``version`` sees it."""
+def _rewritten_loads(tmp_path, rewrite):
+    """Save, ``rewrite(path)`` the checkpoint as an older version wrote it, load it into
+    a zeroed engine and compare with what was saved; (path, cfg, topo, that engine, its
+    data-parallel wrapper)."""
     cfg, topo, engine, dp = serial(tmp_path)
     want = held_copy(engine, dp)
     path = save_training(cfg, topo, engine, dp, step=1, loader_state={"step": 1})
-    as_old_version(path, version)
+    rewrite(path)
     _, _, engine2, dp2 = serial(tmp_path / "fresh")
     for h in held_tensors(engine2, dp2, 0, 1):
         h.array[...] = 0
     assert load_training(path, cfg, topo, engine2, dp2).step == 1
     got = held_copy(engine2, dp2)
     assert all(np.array_equal(got[k], want[k]) for k in want)
+    return path, cfg, topo, engine2, dp2
+
+
+def _old_version_loads_and_is_checked(tmp_path, version: int):
+    """Save, rewrite as ``version``, load into a zeroed engine, then flip a value:
+    the checkpoint as the reader of ``version`` sees it."""
+    path, *_ = _rewritten_loads(tmp_path, lambda p: as_old_version(p, version))
     with h5py.File(path / fmt.data_filename(0), "r+") as f:
         f["model/head.lm_head.weight/0:16,0:32"][0, 0] += 1.0
     return path, verify(path)
@@ -215,23 +223,17 @@ def test_an_unknown_version_is_refused_by_name(tmp_path):
 
 def test_a_version_3_checkpoint_its_table_in_json_still_loads_and_is_checked(tmp_path):
     """Version 3: the data files as now, the piece table one JSON text."""
-    cfg, topo, engine, dp = serial(tmp_path)
-    want = held_copy(engine, dp)
-    path = save_training(cfg, topo, engine, dp, step=1, loader_state={"step": 1})
-    index = fmt.read_index(path / fmt.INDEX_NAME)
-    (path / fmt.INDEX_NAME).unlink()
-    with h5py.File(path / fmt.INDEX_NAME, "w-") as f:
-        fmt.write_index(f, step=index.step, meta=index.meta, files=index.files,
-                        tensors=list(index.tensors.values()), version=3)
-        assert list(f) == ["tensors"]
-    with h5py.File(path / fmt.data_filename(0), "r+") as f:
-        f.attrs["version"] = 3
-    _, _, engine2, dp2 = serial(tmp_path / "fresh")
-    for h in held_tensors(engine2, dp2, 0, 1):
-        h.array[...] = 0
-    assert load_training(path, cfg, topo, engine2, dp2).step == 1
-    got = held_copy(engine2, dp2)
-    assert all(np.array_equal(got[k], want[k]) for k in want)
+    def as_version_3(path):
+        index = fmt.read_index(path / fmt.INDEX_NAME)
+        (path / fmt.INDEX_NAME).unlink()
+        with h5py.File(path / fmt.INDEX_NAME, "w-") as f:
+            fmt.write_index(f, step=index.step, meta=index.meta, files=index.files,
+                            tensors=list(index.tensors.values()), version=3)
+            assert list(f) == ["tensors"]
+        with h5py.File(path / fmt.data_filename(0), "r+") as f:
+            f.attrs["version"] = 3
+
+    path, cfg, topo, engine2, dp2 = _rewritten_loads(tmp_path, as_version_3)
     with Checkpoint(path) as ck:
         assert ck.index.tensors["model/head.lm_head.weight"].table is None  # from JSON
     file, offset, _ = piece_offset(path, "model/head.lm_head.weight")
