@@ -22,6 +22,9 @@ cluster if any, the command and the time it started. A lock already there is jud
       squeue no longer lists (killed on a node)  stale: taken over, with a line
     another host, nothing else known             refused: only the user can tell
 
+A stale lock is taken over under a second, short-lived lock, ``hpctrain.lock.break``
+(``_take_over``), so that of jobs starting at once exactly one takes it.
+
 A lock left by a run that died where none of these tell (another host outside SLURM,
 or squeue unavailable) is removed by hand once that run is known to be gone; the
 refusal says which file and how to check. There is no option to override it: removing
@@ -35,6 +38,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 LOCK_NAME = "hpctrain.lock"
+BREAK_WAIT_S = 10.0  # another job taking a stale lock over holds <lock>.break for ms
 SQUEUE_TIMEOUT_S = 10.0  # a slow slurmctld leaves the lock held, never taken over
 # squeue's states of a job that runs no more (anything else: it may still write)
 ENDED_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED",
@@ -139,8 +144,10 @@ def acquire(run_dir: str | Path, command: str = "train",
         why = _stale(found, me, env)
         if why is None:
             raise UserError(_refusal(run_dir, path, found, me))
-        if _set_aside(path, found) and say is not None:
-            say(f"note: {path} was held by {found.describe()}; {why}: taken over")
+        if _take_over(path, found, me):
+            if say is not None:
+                say(f"note: {path} was held by {found.describe()}; {why}: taken over")
+            return RunLock(path, me)
     raise UserError(f"{path}: other runs kept taking and freeing it; is another job "
                     f"starting in {run_dir}? Run again once it has")
 
@@ -225,26 +232,34 @@ def _job_state(job_id: str, env: dict | None) -> str | None:
     return states[0] if states else "gone"
 
 
-def _set_aside(path: Path, found: Holder) -> bool:
-    """Remove the stale lock ``found``; False when another job took it over first. It
-    is renamed to a name of this process's own first (atomic: of two jobs taking over
-    at once, one gets the file), and put back if it turns out to be a fresh lock that
-    the other job made in between."""
-    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}.stale")
+def _take_over(path: Path, found: Holder, me: Holder) -> bool:
+    """Replace the stale lock ``found`` by ``me``'s; False when another job changed it
+    first (the caller looks again). Only the holder of the break file
+    ``<lock>.break`` (made with ``O_EXCL``, held for a few milliseconds) removes a lock,
+    and only after reading under it that the lock is still ``found``: of jobs taking
+    over at once, one does; the others then find its live lock. (Renaming the stale
+    file aside and putting back a fresh one found there instead leaves a moment with
+    no lock, in which a third job can make its own: two jobs then both held it.)"""
+    breaker = path.with_name(f"{path.name}.break")
+    waited = time.monotonic() + BREAK_WAIT_S
+    while not _create(breaker, me):
+        if time.monotonic() > waited:
+            from hpctrain.runtime import UserError
+            holder = _read(breaker)
+            who = holder.describe() if isinstance(holder, Holder) else "a run"
+            raise UserError(
+                f"{breaker} has been there for over {BREAK_WAIT_S:g} s: {who} was taking "
+                f"over the stale lock {path} and ended before it had. If no run is "
+                f"starting in {path.parent}, remove {breaker} and run again")
+        time.sleep(0.02)
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    moved = _read(aside)
-    if isinstance(moved, Holder) and moved.token != found.token:
-        try:
-            os.link(aside, path)  # the other job's lock, back in place
-        except FileExistsError:
-            pass
-        aside.unlink(missing_ok=True)
-        return False
-    aside.unlink(missing_ok=True)
-    return True
+        now = _read(path)
+        if not (isinstance(now, Holder) and now.token == found.token):
+            return False  # taken over (or freed) by another job before this one got here
+        path.unlink()
+        return _create(path, me)  # False: a job starting afresh made it in between
+    finally:
+        breaker.unlink(missing_ok=True)
 
 
 def _refusal(run_dir: Path, path: Path, found: Holder | str, me: Holder) -> str:
