@@ -144,7 +144,13 @@ def acquire(run_dir: str | Path, command: str = "train",
         why = _stale(found, me, env)
         if why is None:
             raise UserError(_refusal(run_dir, path, found, me))
-        if _take_over(path, found, me):
+        try:
+            taken = _take_over(path, found, me)
+        except OSError as err:
+            raise UserError(f"{path}: the stale lock cannot be replaced "
+                            f"({err.strerror or err}); check the folder's space and "
+                            f"permissions") from None
+        if taken:
             if say is not None:
                 say(f"note: {path} was held by {found.describe()}; {why}: taken over")
             return RunLock(path, me)
@@ -158,10 +164,14 @@ def _create(path: Path, me: Holder) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(me), f)
-        f.flush()
-        os.fsync(f.fileno())  # visible to a job on another node (NFS: at close)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(me), f)
+            f.flush()
+            os.fsync(f.fileno())  # visible to a job on another node (NFS: at close)
+    except BaseException:  # a full disk or quota: no empty lock left to refuse every run
+        path.unlink(missing_ok=True)
+        raise
     return True
 
 

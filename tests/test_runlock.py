@@ -158,6 +158,28 @@ def test_a_lock_without_a_holder_is_refused_with_its_removal(tmp_path):
         runlock.acquire(tmp_path, env=no_slurm(tmp_path))
 
 
+def test_a_lock_that_cannot_be_written_whole_is_not_left_empty(tmp_path):
+    """The lock file is made, then its holder written: a write that fails there (a full
+    disk or quota; here the file size limit, EFBIG) left an empty lock, and every later
+    run was refused until it was removed by hand."""
+    script = (
+        "import resource, signal, sys\n"
+        "from hpctrain import runlock\n"
+        "from hpctrain.runtime import UserError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))\n"
+        "try:\n"
+        "    runlock.acquire(sys.argv[1], env={'PATH': ''})\n"
+        "except UserError as err:\n"
+        "    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "cannot be made or written to (File too large)" in done.stdout, done.stdout
+    assert not runlock.lock_path(tmp_path).exists()
+    runlock.acquire(tmp_path, env=no_slurm(tmp_path)).release()  # the next run takes it
+
+
 def test_release_leaves_a_lock_another_run_has_taken(tmp_path):
     lock = runlock.acquire(tmp_path, env=no_slurm(tmp_path))
     lock.path.unlink()  # removed by hand while it ran, and taken by another run
