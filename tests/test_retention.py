@@ -94,3 +94,51 @@ def test_only_the_writing_rank_touches_the_folder_and_keep_is_checked(tmp_path):
     assert steps(tmp_path) == [1, 2, 3]
     with pytest.raises(ValueError, match=r"keep \(0\) must be at least 1"):
         Retention(tmp_path, keep=0, writes=True)
+
+
+def test_a_spike_then_divergence_points_latest_back_past_the_spiked_checkpoint(tmp_path):
+    """A loss spike after a save (the checkpoint never trusted), then nan: 'latest',
+    which the spiked checkpoint took, goes back to the confirmed one (it stayed on the
+    spiked one while the divergence message said it named the confirmed)."""
+    r = Retention(tmp_path, keep=3, writes=True)
+    r.saved(checkpoint(tmp_path, 2), loss=3.0)
+    r.finite_step(3.0)
+    r.saved(checkpoint(tmp_path, 4), loss=3.0)
+    r.finite_step(1e3)  # the spike: step 4 is not trusted, and no longer pending
+    assert r.pending is None
+    assert r.diverged() == tmp_path / "step-000002"
+    assert (tmp_path / LATEST_NAME).read_text().strip() == "step-000002"
+
+
+def test_the_checkpoint_resumed_from_is_kept_though_latest_names_a_newer_one(tmp_path):
+    """--resume of an older step folder of the run (latest naming a newer one), keep 1:
+    its first finite step confirmed it and pruned it at once, so a divergence after
+    the next save had nothing to go back to."""
+    old = checkpoint(tmp_path, 100)
+    checkpoint(tmp_path, 200)  # latest
+    r = Retention(tmp_path, keep=1, writes=True)
+    r.saved(old)
+    r.finite_step(2.0)
+    assert steps(tmp_path) == [100, 200] and r.confirmed == old
+    r.saved(checkpoint(tmp_path, 110), loss=2.0)
+    assert r.diverged() == old
+    assert (tmp_path / LATEST_NAME).read_text().strip() == "step-000100"
+
+
+def test_a_checkpoint_confirmed_before_latest_names_it_is_not_pruned(tmp_path):
+    """A background write renames its folder into place, then rewrites 'latest': a
+    finite step between the two confirms the folder while 'latest' still names the
+    one before, and a newer step folder (left by a run rolled back after a divergence)
+    made it the oldest beyond keep 1: it was deleted, and 'latest' then named nothing."""
+    r = Retention(tmp_path, keep=1, writes=True)
+    r.saved(checkpoint(tmp_path, 2), loss=3.0)
+    r.finite_step(3.0)
+    stale = checkpoint(tmp_path, 300)
+    (tmp_path / LATEST_NAME).write_text("step-000002\n")  # 300: not this run's latest
+    new = tmp_path / "step-000004"
+    new.mkdir()
+    (new / INDEX_NAME).write_bytes(b"")  # renamed into place; latest not yet rewritten
+    r.saved(new, loss=3.0)
+    removed = r.finite_step(3.0)
+    assert r.confirmed == new and new not in removed
+    assert steps(tmp_path) == [2, 4, 300] and stale.is_dir()

@@ -7,7 +7,8 @@ new checkpoint is only *pending* until the step after it, computed from exactly 
 state, updates with a finite loss and gradient norm (``hpctrain.guard`` says so on
 every rank alike) and a loss no more than ``SPIKE`` times that of the step it was
 saved at (or 1 above it, for losses near 0); then it is *confirmed*, and only then
-are older checkpoints pruned down to ``keep``. A spike withholds confirmation only:
+are older checkpoints pruned down to ``keep`` (never the confirmed or the pending one,
+whatever their step). A spike withholds confirmation only:
 training goes on, and the next checkpoint is judged by its own next step. A run
 that diverges right after a save therefore still has the confirmed checkpoint
 before it, whatever ``--keep`` is, and ``diverged()`` points ``latest`` back at it,
@@ -65,13 +66,22 @@ class Retention:
         return self._prune()
 
     def finished(self) -> list[Path]:
-        """The run ended normally: its last checkpoint stands, prune to ``keep``."""
+        """The run ended normally: its last checkpoint stands (``latest``), prune to
+        ``keep``, the confirmed one before it too."""
         self.pending = None
-        return self._prune()
+        return self._prune(spare=False)
 
-    def _prune(self) -> list[Path]:
-        # a run resumed from another run's checkpoint may not have its own folder yet
-        return prune(self.root, self.keep) if self.writes and self.root.is_dir() else []
+    def _prune(self, spare: bool = True) -> list[Path]:
+        # a run resumed from another run's checkpoint may not have its own folder yet.
+        # The confirmed and the pending checkpoint are never pruned, whatever their
+        # step: a run resumed from an older step folder (``latest`` naming a newer
+        # one) confirmed it and, at ``keep`` 1, deleted it at once; a background
+        # write's folder, renamed into place but ``latest`` not yet rewritten, is the
+        # confirmed one while ``latest`` still names the previous one
+        keep = [p.name for p in (self.confirmed, self.pending)
+                if spare and p is not None and self.holds(p)]
+        return (prune(self.root, self.keep, protect=keep)
+                if self.writes and self.root.is_dir() else [])
 
     def diverged(self) -> Path | None:
         """The run stopped diverged: point ``latest`` at the newest confirmed
@@ -79,7 +89,10 @@ class Retention:
         (None: no checkpoint of this run was followed by a finite step)."""
         if self.confirmed is None or not _complete(self.confirmed):
             return None
-        if self.writes and self.pending is not None and self.holds(self.confirmed):
+        if self.writes and self.holds(self.confirmed) \
+                and _latest(self.root) != self.confirmed.name:
+            # a newer checkpoint took ``latest``: pending, or one a loss spike after it
+            # showed unhealthy (no longer pending, still named by ``latest``)
             with atomic_output(self.root / LATEST_NAME, force=True) as pointer:
                 pointer.write_text(self.confirmed.name + "\n")
         return self.confirmed
@@ -88,6 +101,14 @@ class Retention:
         """Whether ``path`` is a step folder of this run's folder (``latest`` can name
         it)."""
         return path.parent.resolve() == self.root.resolve()
+
+
+def _latest(root: Path) -> str | None:
+    """The step folder ``latest`` names (None: no ``latest``)."""
+    try:
+        return (root / LATEST_NAME).read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _complete(path: Path) -> bool:

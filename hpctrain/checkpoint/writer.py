@@ -48,7 +48,7 @@ import hashlib
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,8 +225,9 @@ def _write_shared(path: Path, arrays: dict[str, np.ndarray], planned: Plan, step
     own), rank 0 fsyncs what the close wrote. The pieces' checksums and finite check
     are taken on the same contiguous copies that are written, so they equal the rank
     files'. ``on_event("dataset")`` follows each tensor's writes; an error it raises on
-    one rank is raised there once the file is closed (that rank writes nothing more but
-    takes part in every collective), so no rank is left waiting in one."""
+    one rank, or one in taking a piece's copy or checks there, is raised there once the
+    file is closed (that rank writes nothing more but takes part in every collective),
+    so no rank is left waiting in one."""
     pieces, bad = [], []
     failed: Exception | None = None  # this rank's error: raised after the collectives
     mine: dict[str, list] = {}
@@ -243,18 +244,27 @@ def _write_shared(path: Path, arrays: dict[str, np.ndarray], planned: Plan, step
             segs = mine.get(name, []) if failed is None else []
             for k in range(rounds):
                 fspace = dset.get_space()
-                if k < len(segs):
-                    data = extract(arrays[name], segs[k])
+                data = None
+                if failed is None and k < len(segs):
+                    try:  # a rank-local failure (memory): empty parts from here on
+                        data = extract(arrays[name], segs[k])
+                    except Exception as err:  # noqa: BLE001 - raised below, once all are done
+                        failed = err
+                if data is not None:
                     box = segs[k].box
                     if box:
                         fspace.select_hyperslab(tuple(a for a, _ in box),
                                                 tuple(b - a for a, b in box))
                     mspace = h5py.h5s.create_simple(data.shape or (1,))
                     dset.write(mspace, fspace, data.reshape(data.shape or (1,)), dxpl=dxpl)
-                    pieces.append((name, Piece(path.name, name, tuple(a for a, _ in box),
-                                               tuple(b for _, b in box), blocksum64(data))))
-                    if finite and not all_finite(data):
-                        bad.append(name)
+                    try:
+                        pieces.append((name, Piece(path.name, name, tuple(a for a, _ in box),
+                                                   tuple(b for _, b in box),
+                                                   blocksum64(data))))
+                        if finite and not all_finite(data):
+                            bad.append(name)
+                    except Exception as err:  # noqa: BLE001 - as above
+                        failed = err
                 else:  # nothing of this round here: an empty part in the collective
                     fspace.select_none()
                     mspace = h5py.h5s.create_simple((1,))
@@ -370,8 +380,9 @@ _deleting: list[threading.Thread] = []  # this process's deletions still running
 _doomed: set[Path] = set()  # the folders they have yet to delete
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints (never ``latest``'s).
+def prune(root: Path, keep: int, protect: Iterable[str] = ()) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (never ``latest``'s, nor
+    the step folders named in ``protect``).
 
     Each is renamed ``step-N.pruned`` at once and deleted by a background thread:
     unlinking the 131 MB of the benchmark GPT's checkpoint took 0.024 s, a quarter of
@@ -380,7 +391,8 @@ def prune(root: Path, keep: int) -> list[Path]:
     latest = (root / LATEST_NAME).read_text().strip() if (root / LATEST_NAME).is_file() else ""
     done = sorted((p for p in root.iterdir() if step_of(p) is not None and
                    (p / INDEX_NAME).is_file()), key=step_of)
-    removed = [p for p in done[:max(0, len(done) - keep)] if p.name != latest]
+    spared = {latest, *protect}
+    removed = [p for p in done[:max(0, len(done) - keep)] if p.name not in spared]
     doomed = [p for p in root.glob(f"step-*{PRUNED}")  # cut short before
               if p.is_dir() and p not in _doomed]
     for p in removed:

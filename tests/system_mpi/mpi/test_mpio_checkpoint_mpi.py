@@ -191,3 +191,31 @@ def test_one_rank_mpio_on_comm_self(shared_dir):
         ok = (files_of(shared) == [fmt.SHARED_NAME] and pieces(shared) == pieces(files)
               and same_tensors(shared, files))
     assert_all(WORLD, ok, "one rank through mpio equals its rank file")
+
+
+def test_a_piece_failing_on_one_rank_ends_the_save_on_every_rank(shared_dir, monkeypatch):
+    """A rank-local failure while taking a piece's copy (here a fault put into the last
+    rank's ``extract``): that rank keeps taking part in every collective write with
+    empty parts, and the save fails on every rank naming it; before, it left the
+    collective writes and the other ranks waited in the next one until the job's end."""
+    run = Run(config("mpio"))
+    run.train(1)
+    first = run.save(shared_dir / "ok", "mpio", step=1)
+    last = SIZE - 1
+    if WORLD.Get_rank() == last:
+        taken, calls = writer.extract, []
+
+        def failing(array, seg):  # the second piece this rank writes
+            calls.append(seg)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device (a fault put in by the test)")
+            return taken(array, seg)
+
+        monkeypatch.setattr(writer, "extract", failing)
+    with pytest.raises(writer.CheckpointError) as err:
+        run.save(shared_dir / "ok", "mpio", step=2)
+    where = f"rank(s) [{last}]" if SIZE > 1 else "failed: "
+    assert_all(WORLD, where in str(err.value) and "No space left" in str(err.value),
+               f"every rank's error names the failing rank: {err.value}")
+    assert_all(WORLD, fmt.latest_checkpoint(shared_dir / "ok") == first,
+               "latest stays on the previous checkpoint")
