@@ -26,7 +26,7 @@ from hpctrain.checkpoint.format import INDEX_NAME
 from hpctrain.checkpoint.retention import NO_PRUNING, Retention
 from hpctrain.checkpoint.state import schedule_of
 from hpctrain.checkpoint.training import averaging_changes, checkpoint_root
-from hpctrain.checkpoint.writer import arrive
+from hpctrain.checkpoint.writer import arrive, wait_for_pruning
 from hpctrain.config import Config
 from hpctrain.data import eval_batches, open_loader
 from hpctrain.data.contents import check_fits, read_contents
@@ -224,14 +224,61 @@ def _open_data(cfg: Config, topo: Topology):
     return loader, val
 
 
+def _build_engine(cfg: Config, topo: Topology):
+    """The model shard, after the layout's checks that need the node table (every rank
+    raises them alike: one line from rank 0, not one error and abort per rank)."""
+    from hpctrain.parallel.averaging import check_nodes
+
+    check_nodes(cfg.parallel, topo)
+    return build_engine(cfg, topo)
+
+
 def _resume(resume: str | None, cfg: Config, topo: Topology, engine, dp, loader):
-    """Load the checkpoint ``--resume`` names into the run (collective), or None."""
+    """Load the checkpoint ``--resume`` names into the run (collective), or None.
+
+    Every rank looks for the checkpoint on its own node first, and every rank must find
+    the same one, before the load's first collective: a path some nodes cannot see (a
+    copy on one node's local disk), or ``--resume auto`` reading different ``latest``
+    files, is refused on every rank with the ranks named. (A rank failing inside the
+    load's own collectives would have left the others waiting there.)"""
     from hpctrain.checkpoint import find_resume, load_training
 
-    path = find_resume(resume, cfg.train.run_dir) if resume else None
+    if not resume:
+        return None
+    comm = topo.world_comm
+    path = startup_check(comm, lambda: find_resume(resume, cfg.train.run_dir))
+    found = comm.allgather(None if path is None else str(path))
+    startup_check(comm, lambda: _same_checkpoint(resume, found))
     if path is None:
         return None
     return load_training(path, cfg, topo, engine, dp, loader=loader)
+
+
+def _same_checkpoint(resume: str, found: list[str | None]) -> None:
+    """Refuse a ``--resume`` that the ranks resolved differently (``found[rank]``: the
+    index each found, None: none, start afresh)."""
+    if len(set(found)) == 1:
+        return
+    groups: dict[str | None, list[int]] = {}
+    for rank, path in enumerate(found):
+        groups.setdefault(path, []).append(rank)
+    seen = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}: "
+                     f"{path or 'no checkpoint (start afresh)'}"
+                     for path, ranks in groups.items())
+    raise UserError(f"--resume {resume}: the ranks found different checkpoints ({seen}); "
+                    f"the run folder and the checkpoint must be one path that every node "
+                    f"sees alike (a shared file system)")
+
+
+def _spans(ranks: list[int]) -> str:
+    """``0-3, 6`` for [0, 1, 2, 3, 6]."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _refuse_overwrite(cfg: Config) -> None:
@@ -498,7 +545,7 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
     # piece with running statistics, or attention where there is none): every rank
     # builds the whole model first, so all refuse alike, in one line
     with _phase(tracer, "build_model"):
-        engine = startup_check(comm, lambda: build_engine(cfg, topo))
+        engine = startup_check(comm, lambda: _build_engine(cfg, topo))
     dp = make_data_parallel(cfg, engine, topo)
     if memory is not None:
         from hpctrain.memreport import chain
@@ -508,6 +555,7 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
     t = cfg.train
     sched = schedule_of(cfg)  # lr_at's keyword arguments; a resumed run keeps its own
     with _phase(tracer, "load_checkpoint"):
+        # the load's errors are agreed by every rank (writer.all_ranks), reported once
         resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
     first = 1 if resumed is None else resumed.step + 1
     if resumed is not None and not reset_schedule:
@@ -588,6 +636,7 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
         if memory is not None and memory.last and not quiet:
             writer.say(memory.table())
         writer.close()
+    wait_for_pruning()  # a daemon thread: ended with the process, it left step-N.pruned
     return Summary(loop.losses, loop.val_losses, loop.accuracy, seconds, preempted,
                    bool(stop & preempt.INTERRUPTED))
 

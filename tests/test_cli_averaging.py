@@ -84,3 +84,14 @@ def test_a_local_checkpoint_resumes_only_at_its_dp(config_file):
     assert result.returncode != 0
     assert "saved with averaging 'diloco' at dp 2; this run has 'diloco' at dp 1" in \
         result.stderr
+
+
+def test_hierarchical_averaging_on_one_node_is_one_error_line(config_file):
+    """Every rank sees the same node table and raised alike, but after start-up: each
+    printed the error and called MPI_Abort (two lines and an abort's status)."""
+    result = run_train(2, config_file, config_file.parent / "hier1", "--averaging",
+                       "hierarchical", "--average-every", "2", "--steps", "2")
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if "needs the data group on two" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: averaging 'hierarchical'"), \
+        result.stderr
