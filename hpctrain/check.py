@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -164,15 +165,48 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     runs = {k: folder / k for k in ("layout", "serial")}
     ran = train(replace(layout, train=replace(layout.train, run_dir=str(runs["layout"]))),
                 comm, quiet=True)
+    failed: BaseException | None = None  # rank 0's serial run's end, if not normal
     if rank == 0:
         say(f"the layout: {layout.train.steps} steps in {ran.seconds:.1f} s; now one rank")
-        ran = train(replace(serial, train=replace(serial.train, run_dir=str(runs["serial"]))),
-                    MPI.COMM_SELF, quiet=True)
-        say(f"one rank: {serial.train.steps} steps in {ran.seconds:.1f} s")
+        try:
+            ran = train(replace(serial, train=replace(serial.train,
+                                                      run_dir=str(runs["serial"]))),
+                        MPI.COMM_SELF, quiet=True)
+        except BaseException as err:  # noqa: BLE001 - the other ranks learn it first
+            failed = err
+        else:
+            say(f"one rank: {serial.train.steps} steps in {ran.seconds:.1f} s")
     arrive(comm)  # the others wait without spinning a core: rank 0's serial run needs it
+    # a user error or a divergence of the serial run ends rank 0 alone (its own
+    # COMM_SELF run): every rank leaves with its status, rank 0 having said why
+    status = comm.bcast(None if failed is None else _status_of(failed))
+    if failed is not None:
+        raise failed
+    if status is not None:
+        sys.exit(status)
     if rank != 0:
         return None
     return Comparison(_records(runs["serial"]), _records(runs["layout"]), rtol)
+
+
+def _status_of(err: BaseException) -> int:
+    """The exit status ``err`` ends a process with (``runtime.abort_on_error``'s)."""
+    from hpctrain.runtime import (
+        EXIT_CRASH,
+        EXIT_INTERRUPTED,
+        EXIT_USER_ERROR,
+        CollectiveError,
+        exit_status,
+        user_error_types,
+    )
+
+    if isinstance(err, SystemExit):
+        return exit_status(err.code)
+    if isinstance(err, CollectiveError):
+        return err.exit_code
+    if isinstance(err, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_USER_ERROR if isinstance(err, user_error_types()) else EXIT_CRASH
 
 
 FOLDER_PREFIX = "hpctrain-check-"  # then rank 0's pid, "-" and mkdtemp's letters

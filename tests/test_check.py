@@ -44,6 +44,30 @@ BROKEN = textwrap.dedent("""
 """)
 
 
+# the check whose one-rank run fails on rank 0 alone (a fault put in: the layout's
+# run is on both ranks, the serial one on rank 0's MPI.COMM_SELF)
+SERIAL_FAILS = textwrap.dedent("""
+    import sys
+    from mpi4py import MPI
+    from hpctrain import train as training
+    from hpctrain.cli import main
+    from hpctrain.data import DataError
+    from hpctrain.guard import DivergenceError
+
+    KIND = {kind!r}
+    layout_run = training.train
+
+    def train(cfg, comm, **kw):
+        if comm.Get_size() == 1 and MPI.COMM_WORLD.Get_size() > 1:
+            raise (DataError if KIND == "data" else DivergenceError)(
+                "the one-rank run failed (a fault put in by the test)")
+        return layout_run(cfg, comm, **kw)
+
+    training.train = train
+    main(["check", *sys.argv[1:]])
+""")
+
+
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory):
     return tiny_corpus_config(tmp_path_factory.mktemp("check"), CONFIG,
@@ -92,6 +116,22 @@ def test_what_cannot_equal_one_rank_is_refused(config_file, args, message):
     result = check(config_file, *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("kind, status", [("data", 2), ("divergence", 4)])
+def test_the_one_rank_run_failing_on_rank_0_ends_every_rank(config_file, tmp_path, kind,
+                                                            status):
+    """Rank 0's one-rank run raised alone (a user error, or a divergence, which the
+    ranks of a run agree on: here a run of one rank) and the other ranks waited for it
+    until the finalize timeout: 30 s and a report blaming them for being stuck."""
+    script = tmp_path / "serial_fails.py"
+    script.write_text(SERIAL_FAILS.format(kind=kind))
+    result = check(config_file, "--steps", "2", script=script)
+    assert result.returncode == status, (result.returncode, result.stderr)
+    assert result.stderr.count("the one-rank run failed (a fault put in by the test)") == 1, \
+        result.stderr
+    assert "have not come" not in result.stderr and "Traceback" not in result.stderr, \
+        result.stderr
 
 
 def test_the_verdict_names_the_first_step_beyond_the_tolerance():
