@@ -334,24 +334,41 @@ def doctor_command(expect_mpi: str | None, require_parallel_hdf5: bool,
       hpctrain doctor --expect-mpi openmpi --require-parallel-hdf5
     """
     report = diagnose(expect_mpi, require_parallel_hdf5)
-    rank = 0
+    rank, problems = 0, report.problems
     if "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
 
-        rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+        if MPI.Is_initialized():
+            comm = MPI.COMM_WORLD
+            rank = comm.Get_rank()
+            if comm.Get_size() > 1:  # another node's problems, printed by rank 0 too
+                problems = job_problems(comm.allgather(report.problems))
     if rank == 0:
         if as_json:
-            click.echo(json.dumps({**report.facts, "problems": report.problems}, indent=1))
+            click.echo(json.dumps({**report.facts, "problems": problems}, indent=1))
         else:
             width = max(len(label) for label, _ in report.lines)
             for label, value in report.lines:
                 click.echo(f"{label:<{width}}  {value}" if label else f"{'':<{width}}{value}")
-            for problem in report.problems:
+            for problem in problems:
                 click.echo(f"problem: {problem}", err=True)
-            if not report.problems:
+            if not problems:
                 click.echo("no problems found")
-    if report.problems:
+    if problems:
         sys.exit(1)
+
+
+def job_problems(everyone: list[list[str]]) -> list[str]:
+    """The problems of a job's ranks (``everyone[rank]``), each once, followed by the
+    ranks that have it unless all do (rank 0 prints only its own facts)."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, problems in enumerate(everyone):
+        for problem in problems:
+            ranks_of.setdefault(problem, []).append(rank)
+    return [problem if len(ranks) == len(everyone)
+            else f"{problem} (rank{'s' if len(ranks) > 1 else ''} "
+                 f"{', '.join(map(str, ranks))})"
+            for problem, ranks in ranks_of.items()]
 
 
 def _main() -> None:  # python -m hpctrain.doctor
