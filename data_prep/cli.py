@@ -8,6 +8,7 @@ line with a non-zero exit and no traceback; outputs appear only once complete.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,27 @@ def _progress_factory(quiet: bool):
 def _output_option(help_text: str, folder: bool = False):
     return click.option("-o", "--output", required=True, help=help_text,
                         type=click.Path(file_okay=not folder, path_type=Path))
+
+
+def _check_not_input(output: Path, inputs: list[Path]) -> None:
+    """Refuse an output that is one of the inputs, or a folder holding one, --force or
+    not: replacing it would destroy what the command reads."""
+    for p in inputs:
+        try:
+            same = os.path.samefile(output, p)
+        except OSError:  # one of them does not exist
+            same = False
+        if same:
+            raise DataError(f"{output}: is the input {p}; write the output elsewhere "
+                            f"(--force never replaces an input)")
+        if output.is_dir() and p.resolve().is_relative_to(output.resolve()):
+            raise DataError(f"{output}: holds the input {p}; write the output elsewhere "
+                            f"(--force never replaces an input)")
+
+
+def _files_of(folder: Path) -> list[Path]:
+    """The files of a --source-dir (the inputs of a dataset's command)."""
+    return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
 
 
 _force = click.option("--force", is_flag=True, help="Replace an existing output.")
@@ -91,8 +113,9 @@ def text(inputs, output, val_fraction, compression, force, quiet) -> None:
       hpctrain-prep text shakespeare -o data/shakespeare.h5
       hpctrain-prep text 'books/*.txt' notes.md -o data/books.h5 --val-fraction 0.05
     """
-    check_output(output, force)
     files = sources.text_files(list(inputs))
+    _check_not_input(output, files)
+    check_output(output, force)
     counts = write_tokens(output, files, val_fraction=val_fraction, compression=compression,
                           force=force, progress=_progress_factory(quiet))
     click.echo(f"wrote {output}: {counts['train']:,} train and {counts['val']:,} val tokens "
@@ -114,6 +137,7 @@ def fashion_mnist(source_dir, output, compression, force, quiet) -> None:
       hpctrain-prep fashion-mnist -o data/fashion-mnist.h5
       hpctrain-prep fashion-mnist --source-dir ~/idx -o fm.h5 --compression gzip
     """
+    _check_not_input(output, _files_of(source_dir))
     check_output(output, force)
     progress = _progress_factory(quiet)
     splits = sources.fashion_mnist(source_dir, progress)
@@ -154,8 +178,10 @@ def movielens(source_dir, output, folds, seed, compression, force, quiet) -> Non
       hpctrain-prep movielens -o data/movielens.h5
       hpctrain-prep movielens -o data/ml-10fold.h5 --folds 10 --seed 3
     """
+    source_dir = source_dir or sources.movielens_dir()
+    _check_not_input(output, _files_of(source_dir))
     check_output(output, force)
-    data = sources.movielens(source_dir or sources.movielens_dir())
+    data = sources.movielens(source_dir)
     data = sources.model_inputs(data, folds=folds, seed=seed)
     counts = write_ratings(output, data, compression=compression, force=force,
                            progress=_progress_factory(quiet))
@@ -190,8 +216,10 @@ def mni152(source_dir, output, downsample, compression, force, quiet) -> None:
       hpctrain-prep mni152 -o data/mni152.h5
       hpctrain-prep mni152 -o data/mni152-1mm.h5 --downsample 1 --compression gzip
     """
+    source_dir = source_dir or sources.mni152_dir()
+    _check_not_input(output, _files_of(source_dir))
     check_output(output, force)
-    data = sources.mni152(source_dir or sources.mni152_dir(), downsample,
+    data = sources.mni152(source_dir, downsample,
                           _progress_factory(quiet))
     attrs = write_volume(output, data, classes=sources.MNI152_CLASSES, downsample=downsample,
                          source="MNI ICBM152 2009a nonlinear symmetric template, via nilearn",
@@ -255,6 +283,7 @@ def partition_cmd(source, output, num_shards, strategy, seed, weights, row_size,
         raise click.BadParameter(f"{len(weights)} weights for {num_shards} shards",
                                  param_hint="'--weights'")
     num_shards = num_shards or len(weights)
+    _check_not_input(output, [source])
     manifest = partition(source, output, num_shards=num_shards, strategy=strategy, seed=seed,
                          weights=weights, row_size=row_size, compression=compression,
                          force=force, progress=_progress_factory(quiet))

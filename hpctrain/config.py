@@ -742,14 +742,28 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """A TOML file's tables; a missing or malformed file is a ConfigError naming it."""
+    """A TOML file's tables; a missing, unreadable or malformed file is a ConfigError
+    naming it. A leading UTF-8 byte-order mark (some Windows editors write one) is
+    skipped."""
+    name = f"{what} {str(path)!r}"
     try:
-        with Path(path).open("rb") as fh:
-            return tomllib.load(fh)
+        data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"{what} {str(path)!r} does not exist") from None
+        raise ConfigError(f"{name} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{name} is a folder, not a TOML file") from None
+    except OSError as err:
+        raise ConfigError(f"{name} cannot be read: {err.strerror or err}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{name} is not a TOML text file (binary data: byte "
+                          f"0x{data[err.start]:02x} at offset {err.start} is not "
+                          "UTF-8)") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{what} {str(path)!r} is not valid TOML: {err}") from None
+        raise ConfigError(f"{name} is not valid TOML: {err}") from None
 
 
 def load(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:

@@ -29,7 +29,14 @@ def _pyplot():
 def plot_losses(records: list[dict[str, Any]], out_path: str | Path,
                 title: str | None = None) -> Path:
     """Training loss (raw and smoothed) and validation loss against the step; below
-    it the throughput, if the records carry it."""
+    it the throughput, if the records carry it. A value that is not a number is a
+    ValueError naming its record and field."""
+    for i, r in enumerate(records, 1):
+        for key in ("step", "loss", "val_loss", "tokens_per_s"):
+            value = r.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"record {i}: {key} ({value!r}) must be a number; remove "
+                                 f"or repair that record's line")
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if not train and not val:

@@ -45,7 +45,7 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
         try:
             click.echo(plots.plot_losses(records, folder / "loss.png", title=str(metrics.parent)))
         except (ValueError, RuntimeError) as err:
-            raise click.ClickException(str(err)) from None
+            raise click.ClickException(f"{metrics}: {err}") from None
     if trace_path is not None:
         try:
             trace = json.loads(Path(trace_path).read_text(encoding="utf-8"))

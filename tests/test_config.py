@@ -56,6 +56,45 @@ def test_missing_file_is_named():
         C.load("nope.toml")
 
 
+def test_a_folder_or_binary_file_is_named_not_a_traceback(tmp_path):
+    with pytest.raises(C.ConfigError, match=rf"^config file '{tmp_path}' is a folder, not a "
+                                            r"TOML file$"):
+        C.load(tmp_path)
+    data = tmp_path / "x.h5"
+    data.write_bytes(b"\x89HDF\r\n\x1a\n\0\0")  # an HDF5 file's signature
+    with pytest.raises(C.ConfigError, match=r"^table plan '.*x.h5' is not a TOML text file "
+                                            r"\(binary data: byte 0x89 at offset 0 is not "
+                                            r"UTF-8\)$"):
+        C.read_toml(data, "table plan")
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    # some Windows editors start UTF-8 files with one; tomllib reads it as a statement
+    path = tmp_path / "run.toml"
+    path.write_bytes("\ufeff[model]\nn_layer = 2\n".encode())
+    assert C.load(path).model.n_layer == 2
+
+
+def test_config_options_refuse_a_folder_and_a_binary_file(tmp_path):
+    """Every command's --config: a usage error or one line, never a traceback."""
+    from click.testing import CliRunner
+
+    from hpctrain.cli import main
+
+    data = tmp_path / "x.h5"
+    data.write_bytes(b"\x89HDF\r\n\x1a\n")
+    for args in (["train", "--config", str(data)],
+                 ["slurm", "render", "--ranks-per-node", "2", "--config", str(data)],
+                 ["slurm", "render", "--ranks-per-node", "2", "--config", str(tmp_path)],
+                 ["plan-tables", "--config", str(tmp_path), "--ranks", "2",
+                  "--memory-gib", "1"]):
+        got = CliRunner().invoke(main, args)
+        assert isinstance(got.exception, SystemExit) and got.exit_code in (1, 2), got.output
+        assert "Traceback" not in got.output
+        assert "is not a TOML text file" in got.output or \
+            f"File '{tmp_path}' is a directory" in got.output, got.output
+
+
 def cfg_with(world=1, **kw):
     parts = {"model": {}, "parallel": {}, "train": {}, "data": {}}
     for key, value in kw.items():
@@ -74,6 +113,8 @@ def cfg_with(world=1, **kw):
     (cfg_with(2, parallel__tp=2, model__d_ff=33, model__n_head=2),
      r"tp \(2\) must divide the MLP width d_ff \(33\)"),
     (cfg_with(2, parallel__tp=2, model__vocab_size=255), r"tp \(2\) must divide vocab_size"),
+    # a negative width passed every rule and failed in the model's build, a traceback
+    (cfg_with(1, model__d_ff=-5), r"^d_ff \(-5\) must be at least 1, or 0 for 4 \* d_model$"),
     (cfg_with(3, parallel__pp=2), r"tp \* pp \(1 \* 2 = 2\) must divide the number of ranks \(3\)"),
     (cfg_with(4, parallel__dp=3), r"dp \* tp \* pp \(3 \* 1 \* 1 = 3\) must equal .* \(4\)"),
     (cfg_with(2, parallel__pp=2, parallel__schedule="interleaved", parallel__microbatches=3,

@@ -159,6 +159,23 @@ def test_no_stream_rate_leaves_element_wise_work_out_and_says_so():
     assert any("stream" in n for n in e.notes)
 
 
+def test_rates_measured_at_fewer_ranks_a_node_than_priced_are_named():
+    """Tables of 1 rank a node on a 2-core node: 2 ranks, or 1 rank of 2 threads, are
+    priced with 1's rates, each as if it had both cores; a note says which counts."""
+    c = cluster()
+    kind = c.kinds["cpu"]
+    one = dataclasses.replace(c, kinds={"cpu": dataclasses.replace(
+        kind, gemm={1: kind.gemm[1]}, stream={1: kind.stream[1]})})
+    note = ("node kind 'cpu': rates measured at fewer ranks a node (gemm at 1; stream at "
+            "1) stand in for the 2 this layout computes at once")
+    for cfg in (make(world=2, dp=2), make(batch_threads=0)):
+        assert any(n.startswith(note) for n in cost.estimate(cfg, one).notes)
+        assert not any("measured at fewer" in n for n in cost.estimate(cfg, c).notes)
+    assert not any("measured at fewer" in n for n in cost.estimate(make(), one).notes)
+    assert kind.unmeasured(2) == {} and kind.unmeasured(3) == {"gemm": (1, 2),
+                                                                 "stream": (1, 2)}
+
+
 # ---------------------------------------------------------------------------------
 # the pipeline: the replayed bubble of equal stages is the textbook one
 

@@ -11,8 +11,10 @@ from click.testing import CliRunner
 
 from hpctrain import config
 from hpctrain.config import ConfigError
+from hpctrain.plan import search
 from hpctrain.plan.cluster import from_dict, to_toml
 from hpctrain.plan.search import (
+    divisors,
     enumerate_layouts,
     enumerate_over,
     layout_name,
@@ -297,7 +299,7 @@ def test_explain_refuses_more_batch_threads_than_a_rank_has_cores(files):
     assert not emitted.exists()
     for ranks, layout in (("1", "dp1-tp1-pp1-mb1-1f1b-z1-bt2"), ("2", "dp2-tp1-pp1-mb1-1f1b-z1")):
         got = CliRunner().invoke(plan, base + ["--ranks", ranks, "--explain", layout,
-                                               "--emit", str(emitted)])
+                                               "--emit", str(emitted), "--force"])
         assert got.exit_code == 0, got.output
         line, = [x for x in got.output.splitlines() if x.startswith("as a SLURM job: ")]
         words = shlex.split(line.removeprefix("as a SLURM job: "))
@@ -333,6 +335,83 @@ def test_counts_below_one_are_usage_errors(files, option, value):
 def test_zero_ranks_is_a_config_error_not_a_division_by_zero():
     with pytest.raises(ConfigError, match=r"the number of ranks \(0\) must be positive"):
         enumerate_layouts(tiny_config(), hand_cluster(), 0)
+
+
+@pytest.mark.timeout(30)  # one trial a number up to n: 10^14 of them
+def test_divisors_are_every_divisor_ascending():
+    for n in range(1, 300):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    got = divisors(10**14)  # 2^14 5^14: 15 * 15 divisors
+    assert len(got) == 225 and got == sorted(got) and got[-1] == 10**14
+    assert divisors(2**31 - 1) == [1, 2**31 - 1]  # a prime
+
+
+@pytest.mark.timeout(60)  # the divisors of the batch, found one trial a number, hung
+def test_a_batch_past_what_the_search_can_enumerate_is_refused_at_once(files):
+    for extra in ([], ["--explain", "dp1-tp1-pp1-mb1-1f1b-z0"]):
+        text = one_line_error(CliRunner().invoke(plan, [
+            "--config", str(files / "c.toml"), "--cluster", str(files / "k.toml"),
+            "--batch", "100000000000000", *extra]))
+        assert "the global batch (100000000000000) must be at most 65536 for hpctrain " \
+               "plan" in text, text
+    limit = search.MAX_BATCH
+    search.check_batch(tiny_config(limit))
+    with pytest.raises(ConfigError, match=rf"global batch \({limit + 1}\) must be at most "
+                                          rf"{limit} for hpctrain plan"):
+        enumerate_layouts(tiny_config(limit + 1), hand_cluster(), 8)
+
+
+def test_emit_is_checked_before_the_search(files):
+    """--emit never writes over the --config or --cluster file, replaces another file
+    only with --force, makes its folder, and names one it cannot write, all before
+    the search."""
+    config_text = (files / "c.toml").read_text()
+    cluster_text = (files / "k.toml").read_text()
+    base = ["--config", str(files / "c.toml"), "--cluster", str(files / "k.toml"),
+            "--ranks", "8"]
+    for option, path in (("--config", files / "c.toml"), ("--cluster", files / "./k.toml")):
+        for force in ([], ["--force"]):
+            text = one_line_error(CliRunner().invoke(plan, base + ["--emit", str(path),
+                                                                   *force]), status=2)
+            assert f"is the {option} file, which --emit never replaces" in text, text
+            assert "valid layouts" not in text
+    assert (files / "c.toml").read_text() == config_text
+    assert (files / "k.toml").read_text() == cluster_text
+    kept = files / "kept.toml"
+    kept.write_text("mine")
+    text = one_line_error(CliRunner().invoke(plan, base + ["--emit", str(kept)]), status=2)
+    assert f"{kept}: already exists; pass --force to replace it" in text
+    assert "valid layouts" not in text and kept.read_text() == "mine"
+    got = CliRunner().invoke(plan, base + ["--emit", str(kept), "--force"])
+    assert got.exit_code == 0, got.output
+    config.load(kept).validate(8)
+    deep = files / "new" / "folder" / "best.toml"
+    got = CliRunner().invoke(plan, base + ["--emit", str(deep)])
+    assert got.exit_code == 0, got.output
+    config.load(deep).validate(8)
+    text = one_line_error(CliRunner().invoke(plan, base + [
+        "--emit", str(kept / "x.toml")]), status=2)
+    assert f"{kept / 'x.toml'}: cannot be written" in text
+    assert "valid layouts" not in text and sorted(p.name for p in files.iterdir()) == [
+        "c.toml", "k.toml", "kept.toml", "new", "small.toml", "wide.toml"]
+
+
+def test_a_description_measured_at_fewer_ranks_a_node_is_said(files):
+    """Tables of 1 rank a node priced 2 ranks (or 1 rank of 2 threads) on a 2-core
+    node with the rates of 1, each rank a whole node's: the plan says so."""
+    one = hand_cluster(cores=2)
+    kind = one.kinds["cpu"]
+    one = replace(one, kinds={"cpu": replace(kind, gemm={1: kind.gemm[2]},
+                                             stream={1: kind.stream[2]})})
+    (files / "one.toml").write_text(to_toml(one))
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "one.toml"), "--top", "40"])
+    assert got.exit_code == 0, got.output
+    assert "note: node kind 'cpu': rates measured at fewer ranks a node (gemm at 1; stream " \
+           "at 1) stand in for the 2 this layout computes at once" in got.output
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "k.toml"), "--ranks", "8"])
+    assert got.exit_code == 0 and "rates measured at fewer" not in got.output
 
 
 def test_sizes_read_in_the_unit_that_fits():

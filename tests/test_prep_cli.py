@@ -143,6 +143,23 @@ def test_existing_output_needs_force(tmp_path):
     assert h5py.is_hdf5(out)
 
 
+def test_an_input_is_never_the_output_even_with_force(tmp_path, monkeypatch):
+    """The text file became the HDF5 file written from it: refused by the file, however
+    it is spelled (another path, a glob, a symbolic link)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_bytes(b"precious " * 20)
+    (tmp_path / "link.txt").symlink_to("notes.txt")
+    for inputs, out, force in ((["notes.txt"], "notes.txt", []),
+                               (["notes.txt"], "notes.txt", ["--force"]),
+                               (["*.txt"], "./notes.txt", ["--force"]),
+                               (["a.txt", "notes.txt"], "link.txt", ["--force"])):
+        (tmp_path / "a.txt").write_bytes(b"other " * 20)
+        assert_user_error(run("text", *inputs, "-o", out, *force),
+                          f"{Path(out)}: is the input", "--force never replaces an input")
+        assert (tmp_path / "notes.txt").read_bytes() == b"precious " * 20
+        assert (tmp_path / "link.txt").is_symlink() and not leftovers(tmp_path)
+
+
 def test_text_bad_val_fraction(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"abc")
     assert_user_error(run("text", tmp_path / "a.txt", "-o", tmp_path / "o.h5",
@@ -206,6 +223,28 @@ def test_fashion_mnist_bad_idx(tmp_path, bad, words):
     assert_user_error(run("fashion-mnist", "--source-dir", tmp_path / "idx", "-o",
                           tmp_path / "fm.h5"), *words)
     assert not (tmp_path / "fm.h5").exists()
+
+
+def test_fashion_mnist_output_is_never_a_source_file(tmp_path):
+    write_fashion(tmp_path / "idx")
+    source = tmp_path / "idx" / "t10k-labels-idx1-ubyte.gz"
+    before = source.read_bytes()
+    assert_user_error(run("fashion-mnist", "--source-dir", tmp_path / "idx", "-o", source,
+                          "--force"), f"{source}: is the input")
+    assert source.read_bytes() == before
+
+
+@pytest.mark.parametrize("command, name", [("movielens", "ml-100k.inter"),
+                                           ("mni152", "mni_icbm152_gm_tal_nlin_sym_09a_"
+                                                      "converted.nii.gz")])
+def test_dataset_output_is_never_a_source_file(tmp_path, command, name):
+    """Refused before anything is read: the files need not be valid."""
+    (tmp_path / "src").mkdir()
+    source = tmp_path / "src" / name
+    source.write_bytes(b"source bytes")
+    assert_user_error(run(command, "--source-dir", tmp_path / "src", "-o", source, "--force"),
+                      f"{source}: is the input")
+    assert source.read_bytes() == b"source bytes"
 
 
 def test_fashion_mnist_missing_and_mismatched(tmp_path):
@@ -368,6 +407,17 @@ def test_partition_bad_sources(tmp_path, images_h5, tokens_h5):
     assert_user_error(run("partition", images_h5, "-o", tmp_path / "folder", "-n", 2,
                           "--force"), "no manifest.h5")
     assert (tmp_path / "folder" / "keep.txt").exists()
+
+
+def test_partition_never_replaces_the_folder_holding_its_source(tmp_path, images_h5):
+    out = tmp_path / "parts"
+    assert_ok(run("partition", images_h5, "-o", out, "-n", 2, "-q"))
+    inside = out / "images.h5"
+    inside.write_bytes(images_h5.read_bytes())
+    assert_user_error(run("partition", inside, "-o", out, "-n", 3, "--force"),
+                      f"{out}: holds the input {inside}")
+    assert inside.read_bytes() == images_h5.read_bytes()
+    assert len(read_manifest(out).shards) == 2 and not leftovers(tmp_path)
 
 
 def test_interrupted_partition_leaves_nothing(tmp_path, images_h5, monkeypatch):

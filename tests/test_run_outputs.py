@@ -67,6 +67,18 @@ def test_a_bad_line_before_the_last_names_the_file_and_line(tmp_path, bad, rule)
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("bad, rule", [('{"step": "a", "loss": "x"}', "step ('a')"),
+                                       ('{"step": 2, "loss": null}', "loss (None)"),
+                                       ('{"step": 2, "val_loss": true}', "val_loss (True)")])
+def test_a_value_that_is_not_a_number_names_its_record_and_field(tmp_path, bad, rule):
+    (tmp_path / "metrics.jsonl").write_text(lines(RECORDS[:1]) + bad + "\n"
+                                            + lines(RECORDS[1:]))
+    result = CliRunner().invoke(plot, [str(tmp_path)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"metrics.jsonl: record 2: {rule} must be a number" in result.output
+    assert not (tmp_path / "loss.png").exists()
+
+
 def refused(result, *words: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "MPI_Abort" not in result.stderr, result.stderr

@@ -777,18 +777,22 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     click.echo(summary(back, out))
 
 
-def check_output(out: Path) -> None:
-    """The description's folder can be made and written into (a file is made and
-    removed there), or a usage error naming the path."""
+def check_output(out: Path, option: str = "--out", exist_ok: bool = True) -> None:
+    """The output's folder can be made and written into (a file is made and removed
+    there), or a usage error naming the path and ``option``; with ``exist_ok`` False,
+    an existing ``out`` is refused too (the caller's --force allows it)."""
     import tempfile
 
+    if not exist_ok and (out.exists() or out.is_symlink()):
+        raise click.BadParameter(f"{out}: already exists; pass --force to replace it",
+                                 param_hint=option)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".calibrate-"):
             pass
     except OSError as err:
         raise click.BadParameter(f"{out}: cannot be written ({err.strerror or err})",
-                                 param_hint="--out") from None
+                                 param_hint=option) from None
 
 
 if __name__ == "__main__":

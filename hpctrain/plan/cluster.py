@@ -165,6 +165,15 @@ class NodeKind:
         use = next((c for c in counts if c >= ranks_per_node), counts[-1])
         return max(rate for _, rate in self.gemm[use])
 
+    def unmeasured(self, ranks_per_node: int) -> dict[str, tuple[int, ...]]:
+        """The rate tables (gemm, gemm_cached, stream) measured only at fewer ranks a
+        node than ``ranks_per_node``, each with its measured counts: the rate methods
+        price such a count with the largest measured count's rates, each rank as if
+        it had that count's share of the node's cores."""
+        tables = {"gemm": self.gemm, "gemm_cached": self.gemm_cached, "stream": self.stream}
+        return {name: tuple(sorted(t)) for name, t in tables.items()
+                if t and max(t) < ranks_per_node}
+
     def stream_rate(self, ranks_per_node: int) -> float | None:
         """A rank's element-wise bytes/s (the nearest measured count at or above)."""
         if not self.stream:

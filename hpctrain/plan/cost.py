@@ -411,6 +411,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     stream_missing = False
 
     per_rank, chunk_times = [], []
+    priced_at: dict[str, int] = {}  # kind -> the most ranks a node its rates are read at
     for r in range(pp):
         kinds = _stage_kinds(cluster, world, rpn, r * dp * tp, (r + 1) * dp * tp)
         slow = min(kinds, key=lambda k: k.gemm_rate(rpn, 2048, 2048, 2048))
@@ -421,6 +422,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         # `split` threads computes cb rows on one core, as split * rpn ranks a node would
         split = batch_split(cfg, kinds, rpn, b)
         crpn, cb = rpn * split, -(-b // split)
+        for k in kinds:
+            priced_at[k.name] = max(priced_at.get(k.name, 0), crpn)
         cstream = min((k.stream_rate(crpn) or 0.0) for k in kinds)
         causal = kernels != "fused"  # hpctrain's attention skips the masked blocks
         blk_f = cached(block_forward_s, slow, crpn, cb, tp, causal)
@@ -527,6 +530,13 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                               {"compute": compute, "tp": tp_s, "pp_bubble": bubble,
                                "p2p": link, "dp": dp_s, "optimizer": opt_s},
                               info["small"] / rpn, info["split"]))
+    for name, used in priced_at.items():
+        if beyond := cluster.kinds[name].unmeasured(used):
+            measured = "; ".join(f"{t} at {', '.join(map(str, c))}" for t, c in beyond.items())
+            notes.append(f"node kind {name!r}: rates measured at fewer ranks a node "
+                         f"({measured}) stand in for the {used} this layout computes at "
+                         f"once (ranks a node times batch threads), pricing each with "
+                         f"more cores than it has: the times are too short")
     if stream_missing:
         notes.append("the cluster gives no stream rate: element-wise work and the "
                      "optimizer update are left out of the times")

@@ -25,6 +25,7 @@ interleaved with 2 virtual stages; ``-bt2``: the batch split over 2 threads a ra
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 import time
@@ -77,7 +78,27 @@ def size(nbytes: float) -> str:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending: trial division up to sqrt(n), each small
+    divisor d giving its partner n // d."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+# the search records the pipeline schedule of every microbatch count dividing a data
+# rank's batch, so its time grows with the batch (a 48-layer GPT on 64 ranks: 44 s at
+# a batch of 1,024, 125 s at 4,096); 2**16 sequences is many times the batch of
+# published GPT runs (GPT-3: 1,536 sequences of 2,048 tokens)
+MAX_BATCH = 2**16
+
+
+def check_batch(cfg: Config) -> None:
+    """Raise a ConfigError when the global batch is past what the plan can search."""
+    if cfg.train.batch_size > MAX_BATCH:
+        raise ConfigError(
+            f"the global batch ({cfg.train.batch_size}) must be at most {MAX_BATCH} for "
+            f"hpctrain plan: its search records the pipeline schedule of every "
+            f"microbatch count, and its time grows with the batch (--batch, or [train] "
+            f"batch_size)")
 
 
 def fits(e: cost.Estimate) -> bool:
@@ -188,6 +209,7 @@ def enumerate_layouts(cfg: Config, cluster: Cluster, world: int, *,
     valid for the global batch."""
     t0 = time.perf_counter()
     cost.check_model(cfg)
+    check_batch(cfg)
     if world < 1:
         raise ConfigError(f"the number of ranks ({world}) must be positive")
     rpn = cost.ranks_per_node(cluster, world)  # the placement's rule, by name
@@ -331,12 +353,15 @@ def config_toml(cfg: Config) -> str:
               help="Print every rank's terms for one layout, e.g. dp2-tp2-pp2-mb4-1f1b-z1.")
 @click.option("--emit", type=click.Path(dir_okay=False),
               help="Write the best layout (or --explain's) as a config TOML here, and "
-                   "print the `hpctrain slurm render` command that makes its job script.")
+                   "print the `hpctrain slurm render` command that makes its job script "
+                   "(its folder is made; never the --config or --cluster file).")
+@click.option("--force", is_flag=True, help="Let --emit replace an existing file.")
 @click.option("--kernels", type=click.Choice(["numpy", "numba"]),
               help="The element-wise kernels the cluster's hpctrain runs (default: the "
                    "ones this one runs: numba's when numba is installed and "
                    "HPCTRAIN_FUSED is not 0).")
-def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, emit, kernels):
+def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, emit, force,
+         kernels):
     """Rank the layouts of a config on a cluster by predicted step time."""
     practice = replace(cost.HPCTRAIN, kernels=kernels)
     try:
@@ -344,8 +369,11 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
         cost.check_model(cfg)
         if batch is not None:
             cfg = replace(cfg, train=replace(cfg.train, batch_size=batch))
+        check_batch(cfg)  # --explain's microbatches too: at most the batch
         cluster = load_cluster(cluster_path)
         cluster, worlds = _scope(cluster, ranks, nodes)
+        if emit:
+            check_emit(Path(emit), force, config_path, cluster_path)
         if explain_layout:
             par = replace(cfg.parallel, **parse_layout(explain_layout))
             # the layout's ranks, unless --ranks names others (validate says why not)
@@ -375,14 +403,43 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
             click.echo(table(found.ranked[:top]))
             chosen = found.ranked[0]
             click.echo(chosen.bottleneck())
-            for note in chosen.notes:
-                click.echo(f"note: {note}")
+            for note in dict.fromkeys(n for e in found.ranked[:top] for n in e.notes):
+                click.echo(f"note: {note}")  # each once, for every layout printed
     except ConfigError as err:
         raise click.ClickException(str(err)) from None
     if emit:
-        Path(emit).write_text(config_toml(chosen.cfg))
+        # whole or not at all: a file --force replaces is never left half written
+        tmp = Path(emit).with_name(f".{Path(emit).name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(config_toml(chosen.cfg))
+            os.replace(tmp, emit)
+        except OSError as err:
+            raise click.ClickException(f"{emit}: cannot be written ({err.strerror or err})"
+                                       ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
         click.echo(f"wrote {emit} ({layout_name(chosen.cfg.parallel)})")
         click.echo(slurm_line(chosen, cluster, emit))
+
+
+def check_emit(out: Path, force: bool, config_path: str, cluster_path: str) -> None:
+    """Before the search: --emit's file is neither input (not even with --force),
+    replaces an existing file only with --force, and its folder can be made and
+    written into; else a usage error naming the path."""
+    from hpctrain.plan.calibrate import check_output
+
+    for option, given in (("--config", config_path), ("--cluster", cluster_path)):
+        if _same_file(out, given):
+            raise click.BadParameter(f"{out}: is the {option} file, which --emit never "
+                                     f"replaces (not even with --force)", param_hint="--emit")
+    check_output(out, "--emit", exist_ok=force)
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
 
 
 def slurm_line(chosen: cost.Estimate, cluster: Cluster, config_path: str) -> str:

@@ -459,7 +459,8 @@ def run_job(launcher: str, ranks: int, argv: list[str], timeout: float) -> dict:
 POSITIVE = FiniteRange(min=0, min_open=True)
 
 _model_options = [
-    click.option("--config", "config_path", required=True, type=click.Path(exists=True),
+    click.option("--config", "config_path", required=True,
+                 type=click.Path(exists=True, dir_okay=False),
                  help="The model's TOML config ([model] tables, embed_dim, dtype)."),
     click.option("--hashed-rows", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Add a table 'hashed' of this many rows (width 1) to the config's "

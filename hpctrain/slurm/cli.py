@@ -39,7 +39,7 @@ def slurm() -> None:
 @click.option("--dp", type=int, help="Data-parallel size [default: ranks // (tp * pp)].")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
-@click.option("--config", "config_path",
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The run's TOML config (validated for this layout) [default: "
                    f"{DEFAULT_CONFIGS['train']}, for cv {DEFAULT_CONFIGS['cv']}].")
 @click.option("--job-name", help="Name shown by squeue [default: hpctrain-train, or "

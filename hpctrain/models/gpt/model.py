@@ -330,6 +330,7 @@ class GPT(Model):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             value = getattr(m, name)
             _require(value >= 1, f"{name} ({value}) must be at least 1")
+        _require(m.d_ff >= 0, f"d_ff ({m.d_ff}) must be at least 1, or 0 for 4 * d_model")
         _require(m.d_model % m.n_head == 0,
                  f"n_head ({m.n_head}) must divide d_model ({m.d_model})")
         _require(m.n_head % par.tp == 0, f"tp ({par.tp}) must divide n_head ({m.n_head})")
