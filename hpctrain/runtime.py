@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -131,6 +132,19 @@ def abort_on_error(comm: Any):
         elif isinstance(err, KeyboardInterrupt):  # Ctrl-C: where it came is no news
             print(f"{prefix}interrupted", file=sys.stderr, flush=True)
             code = EXIT_INTERRUPTED
+        elif isinstance(err, MemoryError):  # a config too large: the size, not NumPy's frames
+            ours = [f for f in traceback.extract_tb(err.__traceback__)  # hpctrain's last
+                    if "hpctrain" in Path(f.filename).parts]
+            at = ""
+            if ours:
+                parts = Path(ours[-1].filename).parts
+                where = "/".join(parts[len(parts) - parts[::-1].index("hpctrain") - 1:])
+                at = f" in {where}:{ours[-1].lineno}"
+            print(f"{prefix}error: out of memory ({err or 'MemoryError'}{at}): the model, "
+                  f"the batch or the layout does not fit this rank's memory; `hpctrain plan "
+                  f"--config ... --cluster ... --explain LAYOUT` predicts each rank's "
+                  f"memory", file=sys.stderr, flush=True)
+            code = EXIT_CRASH
         else:
             text = "".join(traceback.format_exception(err))
             sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))

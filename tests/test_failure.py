@@ -65,3 +65,24 @@ def test_serial_config_error_exits_2_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "error: tp (3) must divide n_head (8)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_model_too_large_for_memory_is_one_line_naming_the_size(tmp_path):
+    """A config far too large (d_model 2**20: a 24 TiB weight) printed NumPy's frames
+    and `_ArrayMemoryError`; now one line with the size and where to predict memory."""
+    import subprocess
+
+    from hpctrain.testing import tiny_corpus_config
+
+    template = ("[model]\ndtype = \"float64\"\nvocab_size = 256\nseq_len = 16\nn_layer = 1\n"
+                "n_head = 1\nd_model = 1048576\n\n[train]\nsteps = 1\nbatch_size = 2\n\n"
+                "[data]\npath = \"{data}\"\n")
+    cfg = tiny_corpus_config(tmp_path, template, "abc def", 50)
+    result = subprocess.run([sys.executable, "-m", "hpctrain.cli", "train", "--config",
+                             str(cfg), "--run-dir", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("error: out of memory (Unable to allocate 24.0 TiB"), \
+        result.stderr
+    assert "--explain LAYOUT` predicts each rank's memory" in result.stderr
+    assert "Traceback" not in result.stderr
