@@ -117,6 +117,12 @@ def test_convert_to_a_file_refuses_an_empty_folder_without_force_and_its_own_fil
         code, out = ckpt("convert", checkpoints, "-o", own, "--force")
         assert code == 2 and f"{own}: is a file of the checkpoint being converted" in out
     assert snapshot(step) == before
+    full = tmp_path / "parts"  # a dataset's partitions: --force replaced the folder
+    full.mkdir()
+    (full / "manifest.h5").write_bytes(b"")
+    code, out = ckpt("convert", checkpoints, "-o", full, "--force")
+    assert code == 2 and f"{full}: is a folder that holds files; the converted " in out, out
+    assert (full / "manifest.h5").is_file()
     code, out = ckpt("convert", checkpoints, "-o", empty, "--force")
     assert code == 0 and empty.is_file(), out
 

@@ -69,8 +69,9 @@ def consolidate(src: str | Path, dst: str | Path, *, force: bool = False) -> Pat
 
 def check_file_output(ckpt: Checkpoint, dst: Path, force: bool) -> None:
     """Refuse, before anything is written, a ``dst`` that is a file of ``ckpt`` itself
-    (even with ``force``), or an existing folder, even an empty one, without ``force``
-    (``atomic_h5`` refuses the other existing outputs)."""
+    (even with ``force``), an existing folder, even an empty one, without ``force``,
+    and a folder that is not empty, even with it (``atomic_h5`` refuses the other
+    existing outputs)."""
     own = [ckpt.index.path] + [ckpt.index.file_path(name) for name in ckpt.index.files]
     if dst.is_file() and any(p.is_file() and dst.samefile(p) for p in own):
         raise CheckpointError(f"{dst}: is a file of the checkpoint being converted "
@@ -79,6 +80,10 @@ def check_file_output(ckpt: Checkpoint, dst: Path, force: bool) -> None:
     if dst.is_dir() and not force:
         raise CheckpointError(f"{dst}: already exists (a folder); pass --force to replace "
                               f"it")
+    if dst.is_dir() and any(dst.iterdir()):  # a dataset's partitions, a run: never
+        raise CheckpointError(f"{dst}: is a folder that holds files; the converted "
+                              f"checkpoint is one file, which replaces an empty folder "
+                              f"at most, even with --force: name a file")
 
 
 def check_folder_output(root: Path, step: int, source: Path, force: bool) -> None:
