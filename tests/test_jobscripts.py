@@ -172,6 +172,33 @@ def test_render_refuses_values_that_would_break_the_script():
         render((TEMPLATES / "train.sbatch").read_text(), req, 1)
 
 
+def test_a_template_without_the_lines_render_fills_is_refused(tmp_path):
+    """A template lacking the lines render fills (here a README given as --template)
+    was written out as the job, the layout and config silently dropped; and -o naming
+    the template replaced it."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "2",
+                                       "--template", str(readme), "-o",
+                                       str(tmp_path / "job.sbatch")])
+    assert result.exit_code == 2, result.output
+    assert ("the template has no `#SBATCH --nodes` or `#SBATCH --ntasks-per-node` or "
+            '`: "${CONFIG:=...}"` or `: "${TRAIN_ARGS:=...}"` line') in result.output
+    assert not (tmp_path / "job.sbatch").exists()
+    cut = tmp_path / "cut.sbatch"  # the shipped template without its CONFIG line
+    cut.write_text("\n".join(line for line in (TEMPLATES / "train.sbatch").read_text()
+                             .splitlines() if "${CONFIG:=" not in line))
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "2",
+                                       "--template", str(cut)])
+    assert result.exit_code == 2 and 'no `: "${CONFIG:=...}"` line' in result.output
+    mine = tmp_path / "mine.sbatch"
+    mine.write_text((TEMPLATES / "train.sbatch").read_text())
+    before = mine.read_text()
+    result = CliRunner().invoke(main, ["slurm", "render", "--ranks-per-node", "2",
+                                       "--template", str(mine), "-o", str(mine)])
+    assert result.exit_code == 2 and "is the --template" in result.output
+    assert mine.read_text() == before
+
+
 def test_blas_threads_and_tensor_group_warning(monkeypatch):
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
     assert blas_threads_per_rank(4) == 3

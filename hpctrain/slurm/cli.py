@@ -74,6 +74,9 @@ def render_cmd(template, output, command, config_path, job_name, time_limit, hpc
     req = JobRequest(command=command, config=config_path or DEFAULT_CONFIGS[command],
                      job_name=job_name or f"hpctrain-{command}", time=time_limit,
                      hpctrain=hpctrain_cmd, **options)
+    if output is not None and output.exists() and output.samefile(template):
+        raise click.BadParameter(f"{output}: is the --template; write the job elsewhere",
+                                 param_hint="'-o' / '--output'")
     try:
         dp = check_fit(req)
         check_config(req, dp)

@@ -229,9 +229,17 @@ def render(template: str, req: JobRequest, dp: int) -> str:
     layout = f"--dp {dp} --tp {req.tp} --pp {req.pp}" if req.command == "train" else ""
     defaults = {"CONFIG": req.config, "HPCTRAIN": req.hpctrain, "LAUNCHER": req.launcher,
                 "TRAIN_ARGS": f"{layout} {req.train_args}".strip(), "COMMAND": req.command}
-    lines = []
+    lines, filled = [], set()
     for line in template.splitlines():
-        lines.append(_render_line(line, sbatch, defaults))
+        lines.append(_render_line(line, sbatch, defaults, filled))
+    needed = ["#SBATCH --nodes", "#SBATCH --ntasks-per-node", "CONFIG", "TRAIN_ARGS",
+              *(["COMMAND"] if req.command != "train" else [])]
+    if missing := [n for n in needed if n not in filled]:
+        shown = [n if n.startswith("#") else f': "${{{n}:=...}}"' for n in missing]
+        raise ConfigError(f"the template has no {' or '.join(f'`{x}`' for x in shown)} "
+                          f"line: its job would not run the resources, config and layout "
+                          f"given here; start from jobscripts/train.sbatch, whose lines "
+                          f"render fills")
     return "\n".join(lines) + "\n"
 
 
@@ -239,10 +247,13 @@ _SBATCH = re.compile(r"^(# )?#SBATCH --([a-z-]+)=(\S+)(.*)$")
 _DEFAULT = re.compile(r'^: "\$\{([A-Z_]+):=(.*?)\}"(.*)$')
 
 
-def _render_line(line: str, sbatch: dict, defaults: dict) -> str:
+def _render_line(line: str, sbatch: dict, defaults: dict, filled: set) -> str:
+    """``line`` with its value filled in, if it is a line render fills (its name added
+    to ``filled``: ``#SBATCH --key`` or the variable's)."""
     m = _SBATCH.match(line)
     if m and sbatch.get(m.group(2)) is not None:
         key, value = m.group(2), str(sbatch[m.group(2)])
+        filled.add(f"#SBATCH --{key}")
         # sbatch ends the value at whitespace; a newline would start a line of its own
         if not value or any(c.isspace() or not c.isprintable() for c in value):
             raise ConfigError(f"--{key} ({value!r}) must be non-empty, without whitespace "
@@ -251,6 +262,7 @@ def _render_line(line: str, sbatch: dict, defaults: dict) -> str:
     m = _DEFAULT.match(line)
     if m and m.group(1) in defaults:
         name, value = m.group(1), str(defaults[m.group(1)])
+        filled.add(name)
         # the value sits inside double quotes in the script
         if any(c in value for c in '"$`\\'):
             raise ConfigError(f"{name} ({value!r}) must not contain \" $ ` or \\")
