@@ -339,6 +339,23 @@ def test_unfinished_saves_are_removed_at_the_next_save_and_at_resume_saying_so(t
     writer.wait_for_pruning()
 
 
+def test_a_checkpoint_cut_off_while_a_save_of_its_step_replaced_it_is_restored(tmp_path):
+    """A save of a step that already had a checkpoint renames the old one
+    step-N.old.tmp, then its own in; killed between the two, the next save or resume
+    removed both as unfinished (every step-*.tmp) and 'latest' named nothing."""
+    cfg, topo, engine, dp = serial(tmp_path)
+    root = Path(cfg.train.run_dir) / "checkpoints"
+    path = save_training(cfg, topo, engine, dp, step=1, loader_state=None)
+    path.rename(root / "step-000001.old.tmp")  # the moment between the two renames
+    (root / "step-000001.tmp").mkdir()
+    lines = []
+    assert writer.remove_stale(root, lines.append) == ["step-000001.tmp"]
+    assert lines[0] == f"restored {path} (a save of the same step was cut off while " \
+                       f"replacing it)"
+    assert fmt.latest_checkpoint(root) == path and (path / fmt.INDEX_NAME).is_file()
+    load_training(path, cfg, topo, engine, dp)  # whole: every checksum holds
+
+
 def test_a_load_reads_the_pieces_of_a_file_in_one_preadv(tmp_path, monkeypatch):
     cfg, topo, engine, dp = serial(tmp_path)
     want = held_copy(engine, dp)

@@ -294,6 +294,16 @@ def remove_stale(root: Path, say=print) -> list[str]:
     for p in root.glob(f"step-*{PRUNED}"):
         if p not in _doomed:
             shutil.rmtree(p, ignore_errors=True)
+    # a save of a step that already had a checkpoint moves the old one to
+    # step-N.old.tmp, then its own in: cut off between the two, step-N is gone, and
+    # the old one, complete, goes back (latest may name it)
+    for p in sorted(root.glob(f"step-*{OLD}")):
+        final = p.with_name(p.name[:-len(OLD)])
+        if p.is_dir() and (p / INDEX_NAME).is_file() and not final.exists():
+            p.rename(final)
+            if say is not None:
+                say(f"restored {final} (a save of the same step was cut off while "
+                    f"replacing it)")
     stale = sorted(p for p in root.glob("step-*.tmp") if p.is_dir())
     for p in stale:
         shutil.rmtree(p)
@@ -352,7 +362,7 @@ def publish(root: Path, tmp: Path, step: int, keep: int, on_event=None) -> Path:
     final = root / step_dirname(step)
     old = None
     if final.exists():  # a checkpoint of the same step, from an earlier run
-        old = root / f"{final.name}.old.tmp"
+        old = root / f"{final.name}{OLD}"
         final.rename(old)
     tmp.rename(final)
     fsync_dir(root)
@@ -376,6 +386,7 @@ def commit(root: Path, tmp: Path, step: int, meta: dict, entries: list[TensorEnt
 
 
 PRUNED = ".pruned"  # the suffix of a checkpoint folder being deleted
+OLD = ".old.tmp"  # the suffix of a checkpoint being replaced by a save of its step
 _deleting: list[threading.Thread] = []  # this process's deletions still running
 _doomed: set[Path] = set()  # the folders they have yet to delete
 
