@@ -73,6 +73,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -468,6 +469,7 @@ class Watchdog:
         self._answered: set[int] = set()
         self._requests: list = []
         self._exit_seen: float | None = None  # rank 0: when a rank's exit was first heard of
+        self._ending = False  # the thread is ending the job (a stall found)
 
     def start(self, owner=None) -> Watchdog:
         """Start the thread; it watches while ``owner`` (a frame, default the caller's)
@@ -496,6 +498,30 @@ class Watchdog:
     # ---- the loop ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except BaseException as err:  # noqa: BLE001 - the thread must not end unseen
+            self._failed(err)
+
+    def _failed(self, err: BaseException) -> None:
+        """The thread's own error: said on stderr with the rank (Python's thread hook
+        names no rank); the job ends if it came while ending it (a report that could
+        not be written: the ranks would wait for good), else the run goes on without a
+        watchdog."""
+        ending = self._ending
+        text = "".join(traceback.format_exception(err)).rstrip("\n")
+        then = ("ending the job" if ending else
+                "the run goes on without one (a stall is no longer reported)")
+        lines = [f"[rank {self.rank}] the stall watchdog stopped on an error; {then}:"]
+        lines += [f"[rank {self.rank}]   {line}" for line in text.splitlines()]
+        try:
+            os.write(2, ("\n".join(lines) + "\n").encode(errors="replace"))
+        except OSError:
+            pass
+        if ending:
+            self.abort(EXIT_STALLED)
+
+    def _watch(self) -> None:
         reported_at = None
         try:
             while not self._stopping.wait(self.poll):
@@ -548,11 +574,13 @@ class Watchdog:
                 f"watchdog cannot ask the other ranks: this rank ends the job")
 
     def _end_alone(self, why: str) -> None:
+        self._ending = True
         self._write(alone(self._report(), self.timeout, why))
         self.abort(EXIT_STALLED)
 
     def _conclude(self) -> None:
         """Rank 0: ask every rank, collect for ``grace`` s at most, print, abort."""
+        self._ending = True
         deadline = time.perf_counter() + self.grace
         self._ask([r for r in range(1, self.size) if r not in self._answered])
         while len(self._answered) < self.size - 1 and time.perf_counter() < deadline:

@@ -331,3 +331,32 @@ def test_timeout_zero_is_no_watchdog_and_a_negative_one_is_refused():
     assert isinstance(watchdog.start(None, trace.Tracer(), 0), watchdog.NullWatchdog)
     with pytest.raises(ValueError, match=r"timeout \(-1\) must be positive"):
         watchdog.Watchdog(MPI.COMM_SELF, trace.Tracer(), -1)
+
+
+class Unwritable(io.StringIO):
+    """A stream whose writes fail, as stderr on a closed pipe does."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_an_error_of_the_thread_while_ending_a_stall_still_ends_the_job(capfd):
+    """The report of a stall could not be written (EPIPE): the thread died with Python's
+    traceback naming no rank, and the job, its ranks waiting, was never ended."""
+    tracer = trace.Tracer(keep_events=False)
+    abort = Recorder()
+    dog = watchdog.Watchdog(MPI.COMM_SELF, tracer, 0.3, poll=0.02, grace=0.1, abort=abort,
+                            out=Unwritable(), coords=(0, 0, 0), shape=(1, 1, 1))
+    dog.start()
+    try:
+        with trace.recording(tracer):
+            tracer.step = 2
+            with trace.span("step", "other"):
+                assert abort.called.wait(10)
+    finally:
+        dog.stop()
+    assert abort.codes == [EXIT_STALLED]
+    err = capfd.readouterr().err
+    assert err.startswith("[rank 0] the stall watchdog stopped on an error; ending the "
+                          "job:\n"), err
+    assert "[rank 0]   BrokenPipeError: [Errno 32] Broken pipe" in err
