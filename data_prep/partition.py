@@ -42,7 +42,7 @@ from hpctrain.data.format import (
     sha256_file,
     table_rows,
 )
-from hpctrain.data.manifest import runs
+from hpctrain.data.manifest import read_manifest, runs
 
 STRATEGIES = ("contiguous", "strided", "shuffled")
 DEFAULT_ROW_SIZE = 4096  # tokens per row when partitioning a token stream
@@ -133,6 +133,12 @@ def partition(source: Path, out: Path, *, num_shards: int, strategy: str = "cont
     if row_size < 1:
         raise DataError(f"row size ({row_size}) must be at least 1")
     check_output(out, force)
+    if source.is_dir() and (source / MANIFEST_NAME).is_file():
+        m = read_manifest(source)
+        was = str(m.source) if m.source is not None else f"{m.source_relpath} (not found now)"
+        raise DataError(f"{source}: is already a partition (its {MANIFEST_NAME} names the "
+                        f"dataset file {was}); partition that file: hpctrain-prep partition "
+                        f"DATASET.h5 -o {out} -n {num_shards}")
     with open_h5(source) as src:
         info = check_file(src, source)
         if info.layout is None or info.format == SHARD:

@@ -396,6 +396,10 @@ def test_partition_bad_sources(tmp_path, images_h5, tokens_h5):
                       "hpctrain.manifest")
     assert_user_error(run("partition", out / "shard-00000.h5", "-o", tmp_path / "p2", "-n", 2),
                       "hpctrain.shard")
+    # the folder itself: it said "is a folder, not a dataset file (and has no manifest.h5)"
+    assert_user_error(run("partition", out, "-o", tmp_path / "p2", "-n", 2),
+                      f"{out}: is already a partition (its {MANIFEST_NAME} names the dataset "
+                      f"file {images_h5}); partition that file")
     assert_user_error(run("partition", images_h5, "-o", out, "-n", 2), "already exists")
     assert_ok(run("partition", images_h5, "-o", out, "-n", 3, "--force", "-q"))
     assert len(read_manifest(out).shards) == 3 and not leftovers(tmp_path)
