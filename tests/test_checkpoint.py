@@ -438,6 +438,11 @@ def test_ckpt_commands_inspect_verify_convert(saved, tmp_path):
     assert runner.invoke(main, ["ckpt", "verify", str(tmp_path / "back")]).exit_code == 0
     result = runner.invoke(main, ["ckpt", "verify", str(tmp_path)])
     assert result.exit_code == 2 and "holds no checkpoint" in result.output
+    lost = tmp_path / "lost"  # step folders whose 'latest' is gone: they are named
+    shutil.copytree(path, lost / path.name)
+    result = runner.invoke(main, ["ckpt", "verify", str(lost)])
+    assert result.exit_code == 2 and (f"it has 1 complete step folder(s), the newest "
+                                      f"{lost / path.name}: give one of them") in result.output
 
 
 @pytest.mark.parametrize("command", ["ckpt", "ckpt inspect", "ckpt verify", "ckpt convert",

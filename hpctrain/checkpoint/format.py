@@ -556,8 +556,15 @@ def resolve(path: str | Path) -> Path:
             return pointer / INDEX_NAME
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
+    steps = sorted((p for folder in (path, path / "checkpoints") if folder.is_dir()
+                    for p in folder.iterdir()
+                    if step_of(p) is not None and (p / INDEX_NAME).is_file()), key=step_of)
+    found = ""
+    if steps:  # a 'latest' lost (removed by hand, an old copy): name what is there
+        found = (f"; it has {len(steps)} complete step folder(s), the newest "
+                 f"{steps[-1]}: give one of them")
     raise CheckpointError(f"{path}: holds no checkpoint ({INDEX_NAME}, or a '{LATEST_NAME}' "
-                          f"pointer, here or in {path / 'checkpoints'})")
+                          f"pointer, here or in {path / 'checkpoints'}){found}")
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
