@@ -8,7 +8,6 @@ line with a non-zero exit and no traceback; outputs appear only once complete.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from data_prep.describe import describe
 from data_prep.partition import DEFAULT_ROW_SIZE, STRATEGIES, partition
 from data_prep.verify import verify
 from data_prep.write import write_images, write_ratings, write_tokens, write_volume
-from hpctrain.data.format import COMPRESSIONS, DataError, check_output
+from hpctrain.data.format import COMPRESSIONS, DataError, check_output, same_file
 
 
 class PrepGroup(click.Group):
@@ -52,11 +51,7 @@ def _check_not_input(output: Path, inputs: list[Path]) -> None:
     """Refuse an output that is one of the inputs, or a folder holding one, --force or
     not: replacing it would destroy what the command reads."""
     for p in inputs:
-        try:
-            same = os.path.samefile(output, p)
-        except OSError:  # one of them does not exist
-            same = False
-        if same:
+        if same_file(output, p):
             raise DataError(f"{output}: is the input {p}; write the output elsewhere "
                             f"(--force never replaces an input)")
         if output.is_dir() and p.resolve().is_relative_to(output.resolve()):

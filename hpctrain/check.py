@@ -158,6 +158,7 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     from mpi4py import MPI
 
     from hpctrain.checkpoint.writer import arrive
+    from hpctrain.runtime import status_of
     from hpctrain.train import train
 
     rank = comm.Get_rank()
@@ -179,7 +180,7 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     arrive(comm)  # the others wait without spinning a core: rank 0's serial run needs it
     # a user error or a divergence of the serial run ends rank 0 alone (its own
     # COMM_SELF run): every rank leaves with its status, rank 0 having said why
-    status = comm.bcast(None if failed is None else _status_of(failed))
+    status = comm.bcast(None if failed is None else status_of(failed))
     if failed is not None:
         raise failed
     if status is not None:
@@ -187,26 +188,6 @@ def compare(layout: Config, serial: Config, comm: Any, rtol: float, folder: Path
     if rank != 0:
         return None
     return Comparison(_records(runs["serial"]), _records(runs["layout"]), rtol)
-
-
-def _status_of(err: BaseException) -> int:
-    """The exit status ``err`` ends a process with (``runtime.abort_on_error``'s)."""
-    from hpctrain.runtime import (
-        EXIT_CRASH,
-        EXIT_INTERRUPTED,
-        EXIT_USER_ERROR,
-        CollectiveError,
-        exit_status,
-        user_error_types,
-    )
-
-    if isinstance(err, SystemExit):
-        return exit_status(err.code)
-    if isinstance(err, CollectiveError):
-        return err.exit_code
-    if isinstance(err, KeyboardInterrupt):
-        return EXIT_INTERRUPTED
-    return EXIT_USER_ERROR if isinstance(err, user_error_types()) else EXIT_CRASH
 
 
 FOLDER_PREFIX = "hpctrain-check-"  # then rank 0's pid, "-" and mkdtemp's letters

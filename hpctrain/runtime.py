@@ -122,16 +122,15 @@ def abort_on_error(comm: Any):
     except CollectiveError as err:
         if comm.Get_rank() == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(err.exit_code)
+        sys.exit(status_of(err))
     except BaseException as err:  # noqa: BLE001 - every failure must end the job
         rank, size = comm.Get_rank(), comm.Get_size()
         prefix = f"[rank {rank}] " if size > 1 else ""
+        code = status_of(err)
         if isinstance(err, user_error_types()):
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
-            code = EXIT_USER_ERROR
         elif isinstance(err, KeyboardInterrupt):  # Ctrl-C: where it came is no news
             print(f"{prefix}interrupted", file=sys.stderr, flush=True)
-            code = EXIT_INTERRUPTED
         elif isinstance(err, MemoryError):  # a config too large: the size, not NumPy's frames
             ours = [f for f in traceback.extract_tb(err.__traceback__)  # hpctrain's last
                     if "hpctrain" in Path(f.filename).parts]
@@ -144,15 +143,26 @@ def abort_on_error(comm: Any):
                   f"the batch or the layout does not fit this rank's memory; `hpctrain plan "
                   f"--config ... --cluster ... --explain LAYOUT` predicts each rank's "
                   f"memory", file=sys.stderr, flush=True)
-            code = EXIT_CRASH
         else:
             text = "".join(traceback.format_exception(err))
             sys.stderr.write("".join(prefix + line + "\n" for line in text.splitlines()))
             sys.stderr.flush()
-            code = EXIT_CRASH
         if size > 1:
             abort(comm, code)
         sys.exit(code)
+
+
+def status_of(err: BaseException) -> int:
+    """The exit status a process ends with when ``err`` ends it (``abort_on_error``'s):
+    a SystemExit its own, an error every rank raised together its ``exit_code``, a user
+    error 2, a Ctrl-C 130, anything else 1."""
+    if isinstance(err, SystemExit):
+        return exit_status(err.code)
+    if isinstance(err, CollectiveError):
+        return err.exit_code
+    if isinstance(err, user_error_types()):
+        return EXIT_USER_ERROR
+    return EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else EXIT_CRASH
 
 
 def abort(comm: Any, code: int) -> None:

@@ -220,6 +220,14 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def complete_steps(folder: Path) -> list[Path]:
+    """The step folders of ``folder`` whose index is written, by step."""
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir()
+                   if step_of(p) is not None and (p / INDEX_NAME).is_file()), key=step_of)
+
+
 def flat_name(dtype) -> str:
     """The flat dataset of a data file holding the pieces of ``dtype``: ``float32``."""
     dtype = np.dtype(dtype)
@@ -556,9 +564,7 @@ def resolve(path: str | Path) -> Path:
             return pointer / INDEX_NAME
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
-    steps = sorted((p for folder in (path, path / "checkpoints") if folder.is_dir()
-                    for p in folder.iterdir()
-                    if step_of(p) is not None and (p / INDEX_NAME).is_file()), key=step_of)
+    steps = sorted(complete_steps(path) + complete_steps(path / "checkpoints"), key=step_of)
     found = ""
     if steps:  # a 'latest' lost (removed by hand, an old copy): name what is there
         found = (f"; it has {len(steps)} complete step folder(s), the newest "
@@ -567,12 +573,18 @@ def resolve(path: str | Path) -> Path:
                           f"pointer, here or in {path / 'checkpoints'}){found}")
 
 
+def latest_name(folder: Path) -> str | None:
+    """The name ``folder/latest`` holds, unchecked, or None if there is no pointer."""
+    pointer = folder / LATEST_NAME
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     """The step folder ``folder/latest`` names, or None if there is no pointer."""
     pointer = folder / LATEST_NAME
-    if not pointer.is_file():
+    name = latest_name(folder)
+    if name is None:
         return None
-    name = pointer.read_text().strip()
     target = folder / name
     if step_of(Path(name)) is None or not (target / INDEX_NAME).is_file():
         raise CheckpointError(f"{pointer}: names {name!r}, which is not a complete checkpoint "

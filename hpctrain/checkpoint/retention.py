@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpctrain.checkpoint.format import INDEX_NAME, LATEST_NAME
+from hpctrain.checkpoint.format import INDEX_NAME, LATEST_NAME, latest_name
 from hpctrain.checkpoint.writer import prune
 from hpctrain.data.format import atomic_output
 
@@ -90,7 +90,7 @@ class Retention:
         if self.confirmed is None or not _complete(self.confirmed):
             return None
         if self.writes and self.holds(self.confirmed) \
-                and _latest(self.root) != self.confirmed.name:
+                and latest_name(self.root) != self.confirmed.name:
             # a newer checkpoint took ``latest``: pending, or one a loss spike after it
             # showed unhealthy (no longer pending, still named by ``latest``)
             with atomic_output(self.root / LATEST_NAME, force=True) as pointer:
@@ -101,14 +101,6 @@ class Retention:
         """Whether ``path`` is a step folder of this run's folder (``latest`` can name
         it)."""
         return path.parent.resolve() == self.root.resolve()
-
-
-def _latest(root: Path) -> str | None:
-    """The step folder ``latest`` names (None: no ``latest``)."""
-    try:
-        return (root / LATEST_NAME).read_text().strip()
-    except FileNotFoundError:
-        return None
 
 
 def _complete(path: Path) -> bool:

@@ -65,9 +65,10 @@ from hpctrain.checkpoint.format import (
     Piece,
     TensorEntry,
     blocksum64,
+    complete_steps,
     data_filename,
+    latest_name,
     step_dirname,
-    step_of,
     write_index,
 )
 from hpctrain.checkpoint.rankfile import RankFileWrite, all_finite, unique_names
@@ -399,10 +400,8 @@ def prune(root: Path, keep: int, protect: Iterable[str] = ()) -> list[Path]:
     unlinking the 131 MB of the benchmark GPT's checkpoint took 0.024 s, a quarter of
     a save, that the next step need not wait for. A deletion cut short by the end of
     the process is finished by the next ``prune`` or ``remove_stale``."""
-    latest = (root / LATEST_NAME).read_text().strip() if (root / LATEST_NAME).is_file() else ""
-    done = sorted((p for p in root.iterdir() if step_of(p) is not None and
-                   (p / INDEX_NAME).is_file()), key=step_of)
-    spared = {latest, *protect}
+    done = complete_steps(root)
+    spared = {latest_name(root), *protect}
     removed = [p for p in done[:max(0, len(done) - keep)] if p.name not in spared]
     doomed = [p for p in root.glob(f"step-*{PRUNED}")  # cut short before
               if p.is_dir() and p not in _doomed]

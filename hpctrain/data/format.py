@@ -297,6 +297,15 @@ def check_output(path: str | Path, force: bool) -> None:
                         f"refusing to replace it even with --force")
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` are one file (links and spellings alike); False when
+    either does not exist."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file, or every file in a folder and the folder itself."""
     paths = sorted(path.rglob("*")) + [path] if path.is_dir() else [path]

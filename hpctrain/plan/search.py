@@ -25,7 +25,6 @@ interleaved with 2 virtual stages; ``-bt2``: the batch split over 2 threads a ra
 from __future__ import annotations
 
 import math
-import os
 import re
 import shlex
 import time
@@ -36,6 +35,7 @@ import click
 
 from hpctrain import config as config_mod
 from hpctrain.config import Config, ConfigError
+from hpctrain.data.format import atomic_output, same_file
 from hpctrain.plan import cost
 from hpctrain.plan.cluster import Cluster, load_cluster
 
@@ -409,15 +409,13 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
         raise click.ClickException(str(err)) from None
     if emit:
         # whole or not at all: a file --force replaces is never left half written
-        tmp = Path(emit).with_name(f".{Path(emit).name}.{os.getpid()}.tmp")
+        # (check_emit refused an existing file without --force before the search)
         try:
-            tmp.write_text(config_toml(chosen.cfg))
-            os.replace(tmp, emit)
+            with atomic_output(emit, force=True) as tmp:
+                tmp.write_text(config_toml(chosen.cfg))
         except OSError as err:
             raise click.ClickException(f"{emit}: cannot be written ({err.strerror or err})"
                                        ) from None
-        finally:
-            tmp.unlink(missing_ok=True)
         click.echo(f"wrote {emit} ({layout_name(chosen.cfg.parallel)})")
         click.echo(slurm_line(chosen, cluster, emit))
 
@@ -429,17 +427,10 @@ def check_emit(out: Path, force: bool, config_path: str, cluster_path: str) -> N
     from hpctrain.plan.calibrate import check_output
 
     for option, given in (("--config", config_path), ("--cluster", cluster_path)):
-        if _same_file(out, given):
+        if same_file(out, given):
             raise click.BadParameter(f"{out}: is the {option} file, which --emit never "
                                      f"replaces (not even with --force)", param_hint="--emit")
     check_output(out, "--emit", exist_ok=force)
-
-
-def _same_file(a: str | Path, b: str | Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist
-        return False
 
 
 def slurm_line(chosen: cost.Estimate, cluster: Cluster, config_path: str) -> str:
