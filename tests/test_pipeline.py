@@ -132,6 +132,24 @@ def test_interleaved_holds_its_warm_up_plus_one():
     assert peaks == [2 * (pp - r - 1) + (v - 1) * pp + 1 for r in range(pp)]
 
 
+@pytest.mark.parametrize("name, pp, m, v", LAYOUTS, ids=lambda x: str(x))
+def test_the_closed_form_peak_caches_are_the_recorded_orders(name, pp, m, v):
+    # the planner prices memory by pipeline.peak_caches without recording the schedule
+    assert pipeline.peak_caches(name, pp, m, v) == \
+        tuple(timeline.peak_live(ops) for ops in run_order(name, pp, m, v))
+
+
+@pytest.mark.parametrize("name, pp, m, v", LAYOUTS, ids=lambda x: str(x))
+def test_recording_only_the_compute_gives_the_compute_of_the_whole_order(name, pp, m, v):
+    whole = run_order(name, pp, m, v)
+    compute = timeline.record_compute(pipeline.SCHEDULES[name], pp, m, v)
+    assert compute == [[(timeline.COMPUTE[op.verb], op.chunk, op.mb) for op in ops
+                        if op.verb in timeline.COMPUTE] for ops in whole]
+    played = timeline.replay([[(*op, 1.0 if op[0] == "F" else 2.0) for op in ops]
+                              for ops in compute], pp * v)
+    assert played.bubble() == pytest.approx(timeline.bubble_theory(pp, m, v), abs=1e-12)
+
+
 def test_a_schedule_with_a_missing_backward_is_caught():
     def broken(stage, m):
         pipeline.gpipe(stage, m)

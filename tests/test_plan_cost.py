@@ -184,7 +184,7 @@ def test_rates_measured_at_fewer_ranks_a_node_than_priced_are_named():
                                                 ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1),
                                                 ("interleaved", 2, 4, 2)])
 def test_replayed_bubble_equals_theory_with_equal_stages(schedule, pp, m, v):
-    orders = timeline.record(SCHEDULES[schedule], pp, m, v)
+    orders = timeline.record_compute(SCHEDULES[schedule], pp, m, v)
     chunk = {k: (1.0 / v, 2.0 / v, 0, 0, 0, 0) for k in range(pp * v)}
     times = [{k: chunk[k] for k in range(r, pp * v, pp)} for r in range(pp)]
     makespan, busy, _ = cost._pipeline(orders, times, pp * v, pp, m, v, replay=True)

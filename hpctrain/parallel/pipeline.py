@@ -165,6 +165,22 @@ def backward_slot(s: int, p: int, v: int) -> tuple[int, int]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 
+def peak_caches(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per pipeline rank, the most microbatch caches a schedule holds at once (what
+    ``timeline.peak_live`` counts on its recorded order), without recording it: GPipe
+    holds all ``m``; 1F1B and interleaved hold their warm-up's forwards plus the one
+    forward of the steady state before its first backward (all of them if there is no
+    steady state)."""
+    if schedule == "gpipe":
+        return (m,) * p
+    if schedule == "1f1b":
+        return tuple(min(p - r, m) for r in range(p))
+    if schedule == "interleaved":
+        total = m * v
+        return tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, total) for r in range(p))
+    raise ValueError(f"schedule ({schedule!r}) must be one of {', '.join(SCHEDULES)}")
+
+
 # ---------------------------------------------------------------------------------
 # the stage: this rank's chunks, the caches in flight, the verbs
 

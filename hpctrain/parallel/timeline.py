@@ -74,12 +74,46 @@ class Recorder:
         self._note("send_backward", i, c)
 
 
+class ComputeRecorder(Recorder):
+    """A ``Recorder`` of the compute verbs only, each as a plain ``('F' or 'B', chunk,
+    mb)`` tuple: what ``replay`` plays, a third of the calls (a planner records the
+    schedules of thousands of microbatches)."""
+
+    def recv_forward(self, i, c=0):
+        pass
+
+    def send_forward(self, i, y, c=0):
+        pass
+
+    def recv_backward(self, i, c=0):
+        pass
+
+    def send_backward(self, i, dx, c=0):
+        pass
+
+    def forward_step(self, i, x, c=0):
+        self.ops.append(("F", c * self.pp_size + self.pp_rank, i))
+
+    def backward_step(self, i, dy, c=0):
+        self.ops.append(("B", c * self.pp_size + self.pp_rank, i))
+
+
 def record(schedule, pp: int, microbatches: int,
            virtual_stages: int = 1) -> list[list[Op]]:
     """Every rank's calls, in order: ``ops[r]`` for pipeline rank ``r``."""
+    return _record(Recorder, schedule, pp, microbatches, virtual_stages)
+
+
+def record_compute(schedule, pp: int, microbatches: int,
+                   virtual_stages: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Every rank's compute operations, in order, as ``('F' or 'B', chunk, mb)``."""
+    return _record(ComputeRecorder, schedule, pp, microbatches, virtual_stages)
+
+
+def _record(recorder, schedule, pp: int, microbatches: int, virtual_stages: int) -> list:
     orders = []
     for r in range(pp):
-        stage = Recorder(r, pp, virtual_stages)
+        stage = recorder(r, pp, virtual_stages)
         schedule(stage, microbatches)
         orders.append(stage.ops)
     return orders
@@ -110,30 +144,36 @@ def replay(compute: list[list[tuple[str, int, int, float]]], n_chunks: int) -> T
     pos, clock = [0] * p, [0.0] * p
     done: dict[tuple[str, int, int], float] = {}
     spans: list[list] = [[] for _ in range(p)]
+    last = n_chunks - 1
     while any(pos[r] < len(compute[r]) for r in range(p)):
         moved = False
         for r in range(p):
-            while pos[r] < len(compute[r]):
-                kind, k, i, seconds = compute[r][pos[r]]
-                dep = _dependency(kind, k, i, n_chunks)
-                if dep is not None and dep not in done:
-                    break
-                start = max(clock[r], done[dep] if dep is not None else 0.0)
-                clock[r] = start + seconds
-                done[(kind, k, i)] = clock[r]
-                spans[r].append((start, clock[r], kind, k, i))
-                pos[r] += 1
+            ops, at, now, out = compute[r], pos[r], clock[r], spans[r]
+            while at < len(ops):
+                kind, k, i, seconds = ops[at]
+                # what it waits for (the module docstring's two rules)
+                if kind == "F":
+                    dep = ("F", k - 1, i) if k > 0 else None
+                else:
+                    dep = ("B", k + 1, i) if k < last else ("F", k, i)
+                if dep is None:
+                    start = now
+                else:
+                    ready = done.get(dep)
+                    if ready is None:
+                        break
+                    start = now if now > ready else ready
+                now = start + seconds
+                done[(kind, k, i)] = now
+                out.append((start, now, kind, k, i))
+                at += 1
+            if at != pos[r]:
+                pos[r], clock[r] = at, now
                 moved = True
         if not moved:
             blocked = [compute[r][pos[r]][:3] for r in range(p) if pos[r] < len(compute[r])]
             raise RuntimeError(f"deadlock: every rank waits; next operations {blocked}")
     return Timeline(spans, max(clock))
-
-
-def _dependency(kind: str, k: int, i: int, n_chunks: int):
-    if kind == "F":
-        return ("F", k - 1, i) if k > 0 else None
-    return ("B", k + 1, i) if k < n_chunks - 1 else ("F", k, i)
 
 
 def compute_ops(orders: list[list[Op]], forward: float = 1.0,

@@ -20,10 +20,12 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   backward, one at the embedding and one at the head (``tp_comm_bytes``); with
   sequence parallelism an all-gather plus a reduce-scatter of the whole instead; on
   the node's links or across nodes when the tensor group spans nodes;
-* pipeline: the schedule recorded (``timeline.record``) and replayed (``replay``)
-  with each rank's chunk forward and backward times, each including the point-to-point
-  transfer of its output; the bubble is what the replay leaves idle. The search's
-  first pass uses the closed form ``busy + (p - 1) max chunk (F + B)`` instead. A
+* pipeline: the schedule's compute recorded (``timeline.record_compute``) and
+  replayed (``replay``) with each rank's chunk forward and backward times, each
+  including the point-to-point transfer of its output; the bubble is what the replay
+  leaves idle. The search's first pass uses the closed form ``busy + (p - 1) max chunk
+  (F + B)`` instead, and the caches each rank holds come from the schedule's closed
+  form (``pipeline.peak_caches``) without recording it. A
   tied token table (``tie_embeddings``) lives on the first and the last stage, whose
   gradients of it are summed after the last backward (``PipelineEngine``'s
   ``_sum_tied_grads``, Megatron's embedding all-reduce): one exchange of ``V C / tp``
@@ -78,6 +80,7 @@ from functools import lru_cache
 
 from hpctrain.config import Config, ConfigError, ModelConfig
 from hpctrain.parallel import recompute as recompute_modes
+from hpctrain.parallel.pipeline import peak_caches
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
 from hpctrain.plan.cluster import from_dict as cluster_from_dict
@@ -344,14 +347,13 @@ def ranks_per_node(cluster: Cluster, world: int) -> int:
 # the estimate
 
 
-@lru_cache(maxsize=4096)
-def _schedule(schedule: str, pp: int, m: int, v: int):
-    """(recorded orders, peak live caches per rank) of a schedule."""
+@lru_cache(maxsize=64)
+def _orders(schedule: str, pp: int, m: int, v: int):
+    """A schedule's compute operations on each rank, in order (for its replay)."""
     from hpctrain.parallel import timeline
     from hpctrain.parallel.pipeline import SCHEDULES
 
-    orders = timeline.record(SCHEDULES[schedule], pp, m, v)
-    return orders, tuple(timeline.peak_live(ops) for ops in orders)
+    return timeline.record_compute(SCHEDULES[schedule], pp, m, v)
 
 
 def check_model(cfg: Config) -> None:
@@ -402,7 +404,10 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     p2p_inter = dp * tp >= rpn
     spans = mem.chunk_blocks(m, pp, v, par.balance)
     n_chunks = len(spans)
-    orders, live = _schedule(par.schedule, pp, mb, v) if pp > 1 else (None, (1,))
+    # the peak caches in closed form; the order itself only for a replay (a search's
+    # first pass prices thousands of layouts, each schedule's order m v p operations)
+    live = peak_caches(par.schedule, pp, mb, v) if pp > 1 else (1,)
+    orders = _orders(par.schedule, pp, mb, v) if pp > 1 and replay else None
     p2p = p2p_s(cluster, mem.boundary_bytes(m, b, tp, sp, s), tp, sp, p2p_inter,
                 practice.p2p_scatter_gather) if pp > 1 else 0.0
     states = mem.OPTIMIZER_STATES[t.optimizer]
@@ -741,9 +746,10 @@ def _pipeline(orders, chunk_times, n_chunks: int, pp: int, mb: int, v: int,
         return makespan, busy, [dict.fromkeys(chunk_times[r], makespan) for r in range(pp)]
     from hpctrain.parallel import timeline
 
-    compute = [[(kind, op.chunk, op.mb, dur(r, op.chunk, kind))
-                for op in ops if (kind := timeline.COMPUTE.get(op.verb))]
-               for r, ops in enumerate(orders)]
+    compute = []
+    for r, ops in enumerate(orders):
+        took = {(kind, k): dur(r, k, kind) for k in chunk_times[r] for kind in "FB"}
+        compute.append([(kind, k, i, took[kind, k]) for kind, k, i in ops])
     played = timeline.replay(compute, n_chunks)
     ends = [{} for _ in range(pp)]
     for r, spans in enumerate(played.spans):

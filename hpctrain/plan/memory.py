@@ -113,8 +113,9 @@ def rank_chunks(m: ModelConfig, pp: int, v: int, balance: str, pp_rank: int) -> 
     return [c * pp + pp_rank for c in range(v)]
 
 
+@lru_cache(maxsize=4096)
 def rank_params(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
-                pp_rank: int) -> list[tuple[int, int, tuple]]:
+                pp_rank: int) -> tuple[tuple[int, int, tuple], ...]:
     """This rank's parameters in model order (the engine's ``params``): (elements, model
     chunk, the backward piece holding it: ``("embed",)``, ``("attn", j)`` (block j's
     ln1 and attention), ``("mlp", j)`` (its ln2 and MLP) or ``("head",)``)."""
@@ -130,13 +131,19 @@ def rank_params(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
             params += [(n, k, ("mlp", j)) for n in sizes[6:]]
         if k == len(spans) - 1:
             params += [(n, k, ("head",)) for n in head_sizes(m, tp, pp)]
-    return params
+    return tuple(params)
 
 
 def rank_param_sizes(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
                      pp_rank: int) -> list[int]:
     """Sizes of this rank's parameters in model order (the engine's ``params``)."""
-    return [n for n, _, _ in rank_params(m, tp, pp, v, balance, pp_rank)]
+    return list(_param_sizes(m, tp, pp, v, balance, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _param_sizes(m: ModelConfig, tp: int, pp: int, v: int, balance: str,
+                 pp_rank: int) -> tuple[int, ...]:
+    return tuple(n for n, _, _ in rank_params(m, tp, pp, v, balance, pp_rank))
 
 
 # ---------------------------------------------------------------------------------
@@ -305,9 +312,15 @@ def state_bytes(sizes: list[int], s: int, dp: int, zero: int, states: int,
     if zero == 3:  # everything 1/dp (each piece padded by under dp elements: ignored)
         shard = -(-numel // dp)
         return shard * s, shard * s, per * shard
-    padded = sum(size for *_, size in plan_buckets(list(reversed(sizes)), s, bucket_mb, dp))
+    padded = _padded(tuple(sizes), s, bucket_mb, dp)
     shard = padded // dp
     return padded * s, (padded if zero == 1 else shard) * s, per * shard
+
+
+@lru_cache(maxsize=4096)
+def _padded(sizes: tuple[int, ...], s: int, bucket_mb: float, dp: int) -> int:
+    """Elements of ``sizes`` in ZeRO's buckets, each padded to a multiple of ``dp``."""
+    return sum(size for *_, size in plan_buckets(list(reversed(sizes)), s, bucket_mb, dp))
 
 
 def zero3_transient_bytes(m, tp: int, s: int) -> int:
