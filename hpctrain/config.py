@@ -431,6 +431,12 @@ def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
                  f"the {cls.name} declares no spatial split: sp ({par.sp}) must be 1")
         cls.check_spatial(m, par.sp)
     _check_local_loss(cls, m, par)
+    _require(not cls.batch_statistics or par.shares == "equal" or par.averaging == "sync",
+             f"the {cls.name} sums BatchNorm's statistics over the data group in every "
+             f"forward and backward, and throughput-weighted local SGD (shares "
+             f"{par.shares!r}, averaging {par.averaging!r}) runs more of them on a rank "
+             f"with a larger share: use shares 'equal', or averaging 'sync' with these "
+             f"shares")
     if par.pp > 1:
         chunks = par.pp * par.virtual_stages
         _require(chunks <= len(costs.middle),

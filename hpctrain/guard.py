@@ -107,6 +107,19 @@ class NonFiniteGuard:
                 f"--resume auto --reset-schedule")
         return False
 
+    def state(self) -> dict[str, Any]:
+        """The counts a checkpoint keeps, so that a resumed run goes on counting."""
+        return {"skipped": self.skipped, "consecutive": self.consecutive,
+                "first_bad_step": self.first_bad_step}
+
+    def load_state(self, saved: dict[str, Any] | None) -> None:
+        """Take a checkpoint's counts back (``state()``; None: a checkpoint from before
+        they were saved, counted from 0)."""
+        if saved:
+            self.skipped, self.consecutive = int(saved["skipped"]), int(saved["consecutive"])
+            first = saved.get("first_bad_step")
+            self.first_bad_step = None if first is None else int(first)
+
     def metrics(self) -> dict[str, Any]:
         """The step's record entries: ``skipped`` on a bad step, the running count."""
         out: dict[str, Any] = {"skipped_steps": self.skipped}

@@ -168,6 +168,8 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
             if grad_clip > 0:
                 dp.clip(grad_clip, norm)
             dp.step(lr)
+        elif hasattr(dp, "skip_step"):  # local averaging: the step counts in its period
+            dp.skip_step()
     if share is not None:
         return mean_over(dp.dp_comm, loss * share * dp.dp_size), norm
     return mean_over(dp.dp_comm, loss), norm
@@ -585,6 +587,7 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
                        f"this run ({why}): equal shares until they are measured again")
     if resumed is not None:
         loop.precision.load_state(resumed.meta.get("precision"))
+        loop.guard.load_state(resumed.meta.get("guard"))
     early = preempt.agreed(comm)  # signalled while the data, model or checkpoint loaded
     if val is not None and (resumed is None or first > t.steps) and not early:
         # before the first step; or a checkpoint with no step left to train: evaluate it
@@ -683,7 +686,8 @@ class _Loop:
                            else None)
         self.tracer = tracer  # the watchdog's too (train)
         self.shares = (ShareBalancer(cfg.parallel, t.batch_size, topo.dp_comm, loader,
-                                     multiple=getattr(dp, "unit", None))
+                                     multiple=getattr(dp, "unit", None),
+                                     model_comm=topo.model_comm)
                        if cfg.parallel.shares != "equal" else None)
         self.step_s = 0.0  # the last step's time
         self.stop_checked = False  # whether the time a stop takes was weighed (preempt)
@@ -763,7 +767,8 @@ class _Loop:
 
     def save(self, step: int, loss: float, say=None) -> Path | None:
         """A checkpoint after ``step`` (collective), pending until confirmed."""
-        extra = {"precision": self.precision.state()}  # the name, the storage, fp16's scale
+        extra = {"precision": self.precision.state(),  # the name, the storage, fp16's scale
+                 "guard": self.guard.state()}  # the skipped steps so far
         if self.shares is not None:
             extra["shares"] = self.shares.state()
         t0 = time.perf_counter()

@@ -165,3 +165,27 @@ def test_good_settings_validate():
     assert cfg(shares="fixed", batch_shares=(8, 4)).validate(2).parallel.dp == 2
     weighted = cfg(shares="fixed", batch_shares=(9, 3), averaging="periodic", microbatches=2)
     assert weighted.validate(2).parallel.batch_shares == (9, 3)  # units of 12 / 4 = 3
+
+
+@pytest.mark.parametrize("kind, model", [
+    ("cnn", {"input_dim": 784, "channels": [4, 4], "n_classes": 10}),
+    ("seg3d", {}),
+])
+def test_models_with_batch_statistics_refuse_weighted_local_sgd(kind, model):
+    """BatchNorm sums its statistics over the data group in every forward and backward;
+    weighted local SGD runs more passes on a rank with a larger share, and the ranks
+    waited in different collectives until the stall watchdog ended the job."""
+    from hpctrain.config import from_dict
+
+    def layout(**par):
+        return from_dict({"model": {"kind": kind, **model},
+                          "parallel": {"microbatches": 1, **par},
+                          "train": {"batch_size": 16}}).validate(2)
+
+    weighted = dict(averaging="periodic", average_every=2, shares="fixed",
+                    batch_shares=[12, 4])
+    with pytest.raises(ConfigError, match=r"BatchNorm's statistics .*\(shares 'fixed', "
+                                          r"averaging 'periodic'"):
+        layout(**weighted)
+    layout(averaging="sync", shares="fixed", batch_shares=[12, 4])  # one pass each
+    layout(averaging="periodic", average_every=2)  # equal shares

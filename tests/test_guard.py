@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import verify, writer
-from hpctrain.checkpoint.format import latest_checkpoint, step_of
+from hpctrain.checkpoint.format import INDEX_NAME, latest_checkpoint, read_index, step_of
 from hpctrain.checkpoint.rankfile import all_finite
 from hpctrain.checkpoint.state import held_tensors
 from hpctrain.checkpoint.training import NonFiniteState, save_training
@@ -58,6 +58,19 @@ def test_guard_skips_counts_and_stops_at_the_limit():
     assert not guard.check(4, 2.0, math.inf)
     with pytest.raises(DivergenceError, match=r"step 5: loss inf on rank 0.*4-5"):
         guard.check(5, math.inf, math.nan)
+
+
+def test_the_guards_counts_go_on_after_a_resume():
+    guard = NonFiniteGuard(MPI.COMM_SELF, max_skipped=2)
+    assert not guard.check(7, math.nan, 1.0)
+    resumed = NonFiniteGuard(MPI.COMM_SELF, max_skipped=2)
+    resumed.load_state(guard.state())
+    assert resumed.metrics() == {"skipped_steps": 1}
+    with pytest.raises(DivergenceError, match=r"2 steps in a row, 7-8"):
+        resumed.check(8, math.nan, 1.0)  # the second in a row, across the resume
+    fresh = NonFiniteGuard(MPI.COMM_SELF, max_skipped=2)
+    fresh.load_state(None)  # a checkpoint from before the counts were kept
+    assert fresh.metrics() == {"skipped_steps": 0}
     with pytest.raises(ValueError, match="max_skipped"):
         NonFiniteGuard(MPI.COMM_SELF, max_skipped=0)
 
@@ -125,6 +138,9 @@ def test_divergence_stops_keeps_the_last_healthy_checkpoint_and_a_resumed_run_go
     assert len(skipped) == 2 and records[-1]["skipped_steps"] == 2
     assert f"diverged at step {skipped[-1] + 1}" in str(err.value)
     assert (root / "step-000008").is_dir()  # written (finite), never trusted
+    # the guard's counts are kept with it: a run resumed from it goes on counting
+    kept = read_index(root / "step-000008" / INDEX_NAME).meta["guard"]
+    assert kept["skipped"] == sum(1 for r in records if r.get("skipped") and r["step"] <= 8)
     assert latest_checkpoint(root) == root / "step-000006"
     _, problems = verify(root)
     assert problems == []  # whole, and every value finite

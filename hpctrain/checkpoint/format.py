@@ -100,8 +100,9 @@ SELF = "."  # the file of a piece is the index file itself (consolidated)
 META_KEYS = ("config", "layout", "loader", "schedule", "rng", "optimizer")
 # written when present, absent from older checkpoints: an averaging strategy's position
 # in its period (hpctrain.parallel.averaging), the batch shares (parallel.shares), the
-# precision the run stored in (hpctrain.precision: name, storage, fp16's loss scale)
-OPTIONAL_META_KEYS = ("averaging", "shares", "precision")
+# precision the run stored in (hpctrain.precision: name, storage, fp16's loss scale),
+# the non-finite guard's counts (hpctrain.guard)
+OPTIONAL_META_KEYS = ("averaging", "shares", "precision", "guard")
 REMEDY = "load an earlier checkpoint (see `hpctrain ckpt inspect`), or re-run the training"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -181,6 +181,10 @@ class Model(Module):
     # forward's loss a mean over the rows, all of equal weight, and nothing changed by
     # forward or backward but the parameters' gradients
     splits_batch: bool = False
+    # whether a sample's forward depends on the rest of the batch (BatchNorm's
+    # statistics, summed by ``share_batch`` over the ranks sharing it in every forward
+    # and backward): the ranks must then run the same number of passes a step
+    batch_statistics: bool = False
     data_format: str = ""
     config_keys: tuple[str, ...] = ()
 

@@ -40,8 +40,10 @@ Bytes: ``metrics()`` reports ``dp_bytes``, what this rank sent in the step's dat
 collectives by the ring model (an all-reduce of n bytes over p ranks sends 2 (p - 1) /
 p n), so strategies compare by the bytes the link carries.
 
-Collective over the data group (and its node groups): every rank calls ``step`` the
-same number of times, so every rank averages at the same steps.
+Collective over the data group (and its node groups): every rank calls ``step`` (or,
+for a step the non-finite guard skipped on every rank, ``skip_step``) once a step, so
+every rank averages at the same steps, and the steps H divides are the meetings
+whatever was skipped.
 """
 
 from __future__ import annotations
@@ -156,6 +158,17 @@ class LocalDataParallel:
     def step(self, lr: float) -> None:
         """The inner optimizer's step; then, when the period ends, the meeting."""
         self.optimizer.step(lr)
+        self._advance()
+
+    def skip_step(self) -> None:
+        """A step the non-finite guard skipped (no update) is still a step of the
+        period: the meetings fall on the steps the schedule names (and the run's last
+        step ends one when ``average_every`` divides the steps), post_local's
+        synchronous phase lasts ``sync_steps`` steps. The parameters are those of the
+        last step, finite, so a meeting due now takes place."""
+        self._advance()
+
+    def _advance(self) -> None:
         self.t += 1
         if self.schedule.averages(self.t):
             if self.schedule.strategy == "diloco":
@@ -254,7 +267,9 @@ class LocalDataParallel:
         if saved is None:
             raise CheckpointError(f"{where}: was saved by synchronous data parallelism; "
                                   f"averaging {mine['strategy']!r} resumes only its own "
-                                  f"checkpoints (load the weights with another run)")
+                                  f"checkpoints: resume it with averaging 'sync', or "
+                                  f"start afresh (post_local runs synchronously for its "
+                                  f"first sync_steps steps, then apart)")
         for key in ("strategy", "dp"):
             if saved[key] != mine[key]:
                 raise CheckpointError(f"{where}: was saved with averaging "

@@ -17,7 +17,10 @@ boundary, or a resume with other shares, loses and repeats nothing.
 
 Collective over the data group: ``after_step`` gathers every rank's compute time (one
 small all-gather per step, whose figures also go into metrics.jsonl as
-``rank_compute_s``).
+``rank_compute_s``). The shards of one replica (its tensor, pipeline and spatial
+ranks, ``model_comm``) hold one share between them: a measurement takes the slowest
+shard's speed as the replica's (one small all-reduce over the replica), so each of
+the replica's data groups chooses the same shares.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ class ShareBalancer:
     is moved to the new samples whenever the shares change."""
 
     def __init__(self, par: Any, batch_size: int, dp_comm: Any, loader: Any = None,
-                 multiple: int | None = None):
+                 multiple: int | None = None, model_comm: Any = None):
         """``multiple``: what every share is a multiple of (default: the microbatches;
-        weighted local SGD: a local step's samples)."""
+        weighted local SGD: a local step's samples). ``model_comm``: the other shards
+        of this rank's replica (None or one rank: the rank is the whole replica)."""
         self.mode, self.every = par.shares, par.remeasure_every
         self.batch, self.multiple = batch_size, multiple or par.microbatches
         self.comm, self.rank = dp_comm, dp_comm.Get_rank()
+        self.model_comm = model_comm
         self.loader = loader
         dp = dp_comm.Get_size()
         self.shares = (tuple(par.batch_shares) if par.shares == "fixed"
@@ -101,6 +106,10 @@ class ShareBalancer:
         if not due or not self._rates:
             return
         speed = float(np.median(self._rates))
+        if self.model_comm is not None and self.model_comm.Get_size() > 1:
+            from mpi4py import MPI  # the replica runs at its slowest shard's speed
+
+            speed = self.model_comm.allreduce(speed, op=MPI.MIN)
         speeds = self.comm.allgather(speed) if self.comm.Get_size() > 1 else [speed]
         new = proportional(speeds, self.batch, self.multiple)
         self._rates = []

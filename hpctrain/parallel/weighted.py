@@ -16,7 +16,9 @@ checks bitwise). The engine runs each local step as one microbatch.
 
 The non-finite guard sees a round at once (its loss, the largest gradient norm): a
 round it skips is undone, parameters and optimizer state restored from a copy taken
-before it. Each rank's step count since the meeting is saved with its own state
+before it, and still counts as one of the period's rounds (a meeting due then takes
+place; with every round since the last one skipped, the ranks are at the anchor
+already). Each rank's step count since the meeting is saved with its own state
 (``local/dp<r>/steps``), so a resume mid-period is bitwise too.
 """
 
@@ -79,28 +81,31 @@ class WeightedLocalDataParallel(LocalDataParallel):
                 self.optimizer.step(lr)
         loss = float(np.mean(losses))
         if guard is not None and not guard.check(step, loss, norm):
-            self._restore(saved)  # the round never happened
+            self._restore(saved)  # the round never happened, but counts in the period
+            self.last_round = 0  # (LocalDataParallel.skip_step)
         else:
             self.steps += k
             self.last_round = k
-            self.t += 1
-            if self.schedule.averages(self.t):
-                self._weighted_average()
+        self.t += 1
+        if self.schedule.averages(self.t):
+            self._weighted_average()
         # sum_r b_r loss_r / B (b_r = len(x), this rank's share), as mean_over's mean
         return mean_over(self.dp_comm, loss * len(x) * self.dp_size / self.batch_size), norm
 
     def _weighted_average(self) -> None:
         """params = sum_r w_r params_r / sum_r w_r over the data group; the anchor too."""
         w = float(self.steps[0])
-        data = [p.data for p in self.params]
-        for a in data:
-            a *= w
         total = np.array([w])
         if self.dp_size > 1:
             from mpi4py import MPI
 
-            self._sum_into(data, self.dp_comm, "param_all_reduce")
             self.dp_comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        if total[0] == 0:  # every round since the meeting skipped: all at the anchor
+            return
+        data = [p.data for p in self.params]
+        for a in data:
+            a *= w
+        self._sum_into(data, self.dp_comm, "param_all_reduce")
         for a, anchor in zip(data, self.anchor, strict=True):
             a /= total[0]
             anchor[...] = a

@@ -179,6 +179,7 @@ class CNNClassifier(Model):
     """
 
     name = "CNN classifier"
+    batch_statistics = True  # BatchNorm (share_batch)
     runs_its_pieces = False  # forward runs its layers (and spatial halos) itself
     data_format = IMAGES
     config_keys = ("input_dim", "channels", "n_classes", "image_pad")

@@ -114,6 +114,7 @@ class Seg3D(Model):
     """
 
     name = "3-D segmentation net"
+    batch_statistics = True  # BatchNorm (share_batch)
     data_format = VOLUMES
     config_keys = ("channels", "n_classes", "crop")
 
