@@ -361,6 +361,9 @@ def _check_parallel(par: ParallelConfig, world_size: int) -> None:
 def _check_zero3(par: ParallelConfig) -> None:
     """ZeRO-3 gathers parameters around the pieces of the local, tensor-parallel and
     pipeline engines (``parallel/zero3.py``); the others cannot use it."""
+    _require(par.zero == 3 or par.reshard_after_forward,
+             f"reshard_after_forward false keeps ZeRO-3's gathered parameters from the "
+             f"forward to the backward: it needs zero 3 (zero is {par.zero})")
     if par.zero != 3:
         return
     _require(par.sp == 1, f"zero 3 gathers parameters around pipeline pieces, and spatial "

@@ -27,11 +27,14 @@ TOLERANCE = 0.05  # the planner's total within 5% of the traced peak (measured: 
 # (precision, zero, recompute): fp32 the reference; fp16's loss scaling runs at zero 0
 LAYOUTS = [("fp32", 0, "none"), ("fp32", 2, "full"), ("bf16", 0, "none"), ("bf16", 0, "full"),
            ("bf16", 1, "none"), ("bf16", 2, "full"), ("fp16", 0, "none")]
+# ZeRO 3 (fp32) at dp = 1: a shard is its whole unit, nothing is gathered (resharding
+# or not), one piece's whole gradient at a time (tests/test_zero3.py has dp > 1's rules)
+ZERO3 = [dict(microbatches=1), dict(microbatches=1, reshard_after_forward=False)]
 
 
-def measured(tmp_path, tokens_h5, name: str, zero: int, recompute: str):
+def measured(tmp_path, tokens_h5, name: str, zero: int, recompute: str, **par):
     """(config, the report's last record of the one rank) of two steps."""
-    raw = {"model": MODEL, "parallel": {"zero": zero},
+    raw = {"model": MODEL, "parallel": {"zero": zero, **par},
            "train": {"batch_size": 1, "steps": 2, "warmup_steps": 1, "eval_interval": 0,
                      "log_interval": 1, "recompute": recompute, "precision": name,
                      "memory_report": True, "run_dir": str(tmp_path)},
@@ -64,6 +67,16 @@ def test_predicted_memory_is_the_traced_peak_at_every_precision(tmp_path, tokens
         assert abs(p.total / traced - 1) < TOLERANCE, \
             f"{name} zero {zero} recompute {recompute} {practice}: predicted " \
             f"{p.total} bytes, traced {traced} ({100 * (p.total / traced - 1):+.1f}%)"
+
+
+@pytest.mark.parametrize("par", ZERO3, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
+def test_predicted_memory_at_zero_3_holds_what_each_way_gathers(tmp_path, tokens_h5, par):
+    cfg, m = measured(tmp_path, tokens_h5, "fp32", 3, "none", **par)
+    p, = cost.predict_memory(cfg)
+    traced = m["peak"] - m["other"]
+    assert abs(p.total / traced - 1) < TOLERANCE, \
+        f"zero 3 {par}: predicted {p.total} bytes, traced {traced} " \
+        f"({100 * (p.total / traced - 1):+.1f}%)"
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])

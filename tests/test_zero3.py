@@ -30,6 +30,9 @@ TRAIN = TrainConfig(batch_size=8, lr=1e-2, warmup_steps=1, weight_decay=0.1, gra
     (dict(zero=3, pp=2, pipeline_training="local"), GPT,
      "zero 3 needs pipeline_training 'backprop'"),
     (dict(zero=3, averaging="periodic", average_every=2), GPT, "zero (3) must be 0"),
+    (dict(zero=2, reshard_after_forward=False), GPT,
+     "reshard_after_forward false keeps ZeRO-3's gathered parameters from the forward to "
+     "the backward: it needs zero 3 (zero is 2)"),
 ])
 def test_zero_3_where_it_cannot_run_is_refused_by_name(parallel, model, message):
     cfg = Config(model=model, parallel=ParallelConfig(**parallel), train=TRAIN)
@@ -109,6 +112,31 @@ def test_planner_estimate_at_zero_3_shards_parameters_and_adds_the_gathered_piec
     assert zero3.params * 2 == pytest.approx(zero0.params, abs=8)
     assert zero3.optimizer * 2 == pytest.approx(zero0.optimizer, abs=16)
     assert zero3.buckets == mem.zero3_transient_bytes(make().model, 1, 4) > 0
+
+
+def test_planner_zero3_transient_memory_by_hand():
+    """What zero3.py holds during a step, per tp rank: with resharding two pieces
+    gathered (the one in use, the next prefetched), without it every piece of the
+    stage; one piece's whole gradient with one microbatch, every piece's with more
+    (each lives from its first backward to the last microbatch's); at dp 1 nothing is
+    gathered. Measured at dp 2 on a 12-layer GPT (d_model 128) with --memory-report,
+    the prediction of 4 microbatches went from -35% to -8% of the traced peak, without
+    resharding from -23% to -3% (ZeRO-1 on the same model: -8%)."""
+    m = make().model
+    from hpctrain.models.registry import model_class
+
+    costs = model_class("gpt").piece_costs(m)
+    big = max([costs.first, *costs.middle, costs.last])
+    stage = 10 * big
+
+    def held(tp=1, mb=1, reshard=True, dp=2):
+        return mem.zero3_transient_bytes(m, tp, 4, stage / tp, mb, reshard, dp)
+    assert held() == 4 * 3 * big
+    assert held(mb=4) == 4 * (2 * big + stage)
+    assert held(reshard=False) == 4 * (stage + big)
+    assert held(mb=4, reshard=False) == 4 * 2 * stage
+    assert held(dp=1) == held(dp=1, reshard=False) == 4 * big
+    assert held(tp=2, mb=4) == 4 * (2 * big + stage) / 2
 
 
 class Group:

@@ -492,7 +492,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         work = max(work, e.state * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
         if par.zero == 3:  # gathered pieces and one piece's whole gradient
-            buckets = mem.zero3_transient_bytes(m, tp, e.state)
+            buckets = mem.zero3_transient_bytes(m, tp, e.state, sum(sizes), mb,
+                                                par.reshard_after_forward, dp)
         retained = 0
         if pp > 1 and practice.keeps_whole_model:  # the other stages' data and grad
             whole = sum(mem.rank_param_sizes(m, tp, 1, 1, par.balance, 0))

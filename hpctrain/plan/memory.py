@@ -323,13 +323,21 @@ def _padded(sizes: tuple[int, ...], s: int, bucket_mb: float, dp: int) -> int:
     return sum(size for *_, size in plan_buckets(list(reversed(sizes)), s, bucket_mb, dp))
 
 
-def zero3_transient_bytes(m, tp: int, s: int) -> int:
-    """ZeRO-3's gathered state during a step: the largest pipeline piece whole (its
-    parameters per tp rank, by the model's ``piece_costs``, which for the GPT are
-    parameter counts), three times: the piece in use, the next one prefetched, and the
-    whole gradient of the piece in backward."""
+def zero3_transient_bytes(m, tp: int, s: int, stage_numel: int = 0, microbatches: int = 1,
+                          reshard: bool = True, dp: int = 2) -> int:
+    """ZeRO-3's gathered state during a step (``parallel/zero3.py``), ``s`` bytes an
+    element, pieces by the model's ``piece_costs`` (for the GPT parameter counts) per tp
+    rank. Gathered parameters: the piece in use and the next one prefetched (two of
+    the largest), or, without ``reshard`` after the forward, every piece of this rank
+    (``stage_numel`` elements) from its forward to its backward. Whole gradients: a
+    unit's lives from its first backward to the last microbatch's, so one piece's (the
+    largest) with one microbatch, every piece of this rank's with more. At ``dp`` 1 a
+    shard is its whole unit: nothing is gathered."""
     from hpctrain.models.registry import model_class
 
     costs = model_class(m.kind).piece_costs(m)
-    largest = max([costs.first, *costs.middle, costs.last])
-    return int(3 * s * largest / tp)
+    largest = max([costs.first, *costs.middle, costs.last]) / tp
+    whole = max(stage_numel, largest)
+    gathered = 0 if dp == 1 else 2 * largest if reshard else whole
+    grads = largest if microbatches == 1 else whole
+    return int(s * (gathered + grads))
