@@ -98,6 +98,14 @@ def prepare(cfg: Config, steps: int, dtype: str) -> tuple[Config, Config, list[s
         raise ConfigError(f"pipeline_training ({par.pipeline_training!r}) trains each stage "
                           f"on a loss of its own, unlike one rank: check compares layouts "
                           f"with pipeline_training = 'backprop'")
+    from hpctrain.models.registry import model_class
+
+    model_cls = model_class(cfg.model.kind)
+    if model_cls.batch_statistics and par.microbatches > 1:
+        raise ConfigError(f"the {model_cls.name} takes BatchNorm's statistics per "
+                          f"microbatch, so {par.microbatches} microbatches train unlike one "
+                          f"rank's whole batch by design: check compares layouts of it "
+                          f"with microbatches = 1")
     changed = []
     if cfg.model.dtype != dtype:
         changed.append(f"model dtype {cfg.model.dtype} -> {dtype}")

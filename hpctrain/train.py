@@ -186,7 +186,8 @@ def mean_over(comm, value: float) -> float:
 def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, dict[str, float]]:
     """Mean validation loss over fixed batches, and the model's own figures
     (``Model.eval_metrics``, e.g. a classifier's accuracy), each summed over the data
-    group (collective)."""
+    group (collective). A figure with nothing counted (the Dice of a class neither
+    predicted nor present in the batches) is left out: it has no value."""
     losses, sums = [], {}
     for x, y in batches:
         losses.append(engine.loss(x, y))
@@ -198,7 +199,7 @@ def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, dict[str, fl
     if dp_comm.Get_size() > 1:
         sums = {name: [dp_comm.allreduce(total), dp_comm.allreduce(count)]
                 for name, (total, count) in sorted(sums.items())}
-    return val_loss, {name: total / count for name, (total, count) in sums.items()}
+    return val_loss, {name: total / count for name, (total, count) in sums.items() if count}
 
 
 def _sample_len(cfg: Config) -> int | None:

@@ -118,6 +118,24 @@ def test_what_cannot_equal_one_rank_is_refused(config_file, args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_batchnorm_models_are_compared_at_one_microbatch():
+    # BatchNorm's statistics are per microbatch: at pp 2 and 2 microbatches a correct
+    # layout "DIFFERS" from one rank's whole batch (8e-3), which the check refuses instead
+    from dataclasses import replace
+
+    from hpctrain.check import prepare
+    from hpctrain.config import ConfigError, from_dict
+
+    cfg = from_dict({"model": {"kind": "cnn", "input_dim": 64, "channels": [2, 3],
+                               "n_classes": 10},
+                     "parallel": {"microbatches": 2}, "train": {"batch_size": 8}}).validate(2)
+    with pytest.raises(ConfigError, match=r"the CNN classifier takes BatchNorm's statistics "
+                                          r"per microbatch, so 2 microbatches"):
+        prepare(cfg, 2, "float64")
+    one = replace(cfg, parallel=replace(cfg.parallel, microbatches=1))
+    assert prepare(one, 2, "float64")[1].parallel.dp == 1
+
+
 @pytest.mark.parametrize("kind, status", [("data", 2), ("divergence", 4)])
 def test_the_one_rank_run_failing_on_rank_0_ends_every_rank(config_file, tmp_path, kind,
                                                             status):

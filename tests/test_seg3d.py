@@ -58,6 +58,24 @@ def test_ignored_voxels_count_in_neither_loss_nor_dice():
         assert (num, den) == (2 * int((p & g).sum()), int(p.sum() + g.sum()))
 
 
+def test_an_evaluation_without_a_voxel_of_a_class_leaves_its_dice_out():
+    # tiles wholly beyond the volume (or of background only, predicted so): 0 / 0, which
+    # ended the run with a ZeroDivisionError at its evaluation
+    from mpi4py import MPI
+
+    from hpctrain.parallel.engine import LocalEngine
+    from hpctrain.train import evaluate
+
+    cfg = tiny()
+    engine = LocalEngine(Seg3D(cfg, seed=0), 1)
+    x, y = data(cfg)
+    padding = np.full_like(y, IGNORE)
+    _, figures = evaluate(Config(model=cfg), engine, [(x, padding)], MPI.COMM_SELF)
+    assert figures == {}
+    _, figures = evaluate(Config(model=cfg), engine, [(x, padding), (x, y)], MPI.COMM_SELF)
+    assert set(figures) == {"dice_1", "dice_2"} and all(0 <= v <= 1 for v in figures.values())
+
+
 def test_shapes_names_and_registration():
     cfg = tiny(channels=(4, 8, 16), crop=(8, 8, 8), dtype="float32")
     model = Seg3D(cfg, 0)

@@ -341,7 +341,10 @@ def test_check_fits_a_segmentation_model(mni, seg3d):
          r"of the model's crop \[32, 128, 32\] must be at least 1 and fit in 98 x 116 x 58: "
          r"set \[model\] crop = \[32, 116, 32\]"),
         (ModelConfig(kind=seg3d, n_classes=3, crop=(32, 32, 80)), r"crop = \[32, 32, 58\]"),
-        (ModelConfig(kind=seg3d, n_classes=3, crop=(0, 32, 32)), r"crop = \[1, 32, 32\]"),
+        (ModelConfig(kind=seg3d, n_classes=3, crop=(0, 32, 32)), r"crop = \[2, 32, 32\]"),
+        # each side a multiple of 2^(levels - 1), as the model requires (39 was named)
+        (ModelConfig(kind=seg3d, n_classes=3, channels=(4, 8, 16), crop=(16, 16, 80)),
+         r"crop = \[16, 16, 56\]"),
         (ModelConfig(kind=seg3d, n_classes=3, crop=(32, 32)), r"crop \[32, 32\] must be 3"),
         (ModelConfig(kind="mlp"), r"holds a 3-D volume \(hpctrain.volumes\), which a seg3d "
          r"model trains on; the config's \[model\] kind is 'mlp'"),

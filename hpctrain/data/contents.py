@@ -207,7 +207,9 @@ def _check_volume(c: Contents, model: Any) -> None:
         room[2] = min(room[2], c.heldout[0])
     if all(1 <= k <= r for k, r in zip(crop, room, strict=True)):
         return
-    fit = [max(1, min(k, r)) for k, r in zip(crop, room, strict=True)]
+    # each side a multiple of what the model's levels halve it by (seg3d: 2^(levels - 1))
+    step = 2 ** max(0, len(getattr(model, "channels", ()) or ()) - 1)
+    fit = [max(step, min(k, r) // step * step) for k, r in zip(crop, room, strict=True)]
     dims = " x ".join(map(str, c.volume_shape))
     train = "" if c.heldout is None or c.heldout[0] >= c.volume_shape[2] else \
         f", of which Z [0, {c.heldout[0]}) is for training"
