@@ -207,9 +207,11 @@ class LocalLossReference:
                     loss, head_cache = self.heads[s].forward(out, ys)
                     chunk.backward(self.heads[s].backward(scale / m, head_cache), cache,
                                    input_grad=False)
+                    del head_cache
                 else:
                     loss = out
                     chunk.backward(scale / m, cache, input_grad=False)
+                del cache  # not held through the next stage's or microbatch's forward
                 self.local_losses[s] += loss / m
                 act = out  # the next stage's input: data, no gradient goes back
         return self.local_losses[-1]
