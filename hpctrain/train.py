@@ -186,16 +186,29 @@ def mean_over(comm, value: float) -> float:
 def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, dict[str, float]]:
     """Mean validation loss over fixed batches, and the model's own figures
     (``Model.eval_metrics``, e.g. a classifier's accuracy), each summed over the data
-    group (collective). A figure with nothing counted (the Dice of a class neither
-    predicted nor present in the batches) is left out: it has no value."""
-    losses, sums = [], {}
+    group (collective). The loss is the mean over every term of every batch on every
+    rank: each batch's mean weighed by its terms (``Model.eval_weight``: its rows, a
+    segmentation's valid voxels), so it is the same at any dp. A figure with nothing
+    counted (the Dice of a class neither predicted nor present in the batches) is left
+    out: it has no value."""
+    weigh = model_class(cfg.model.kind).eval_weight
+    loss_sum, terms, sums = 0.0, 0, {}
     for x, y in batches:
-        losses.append(engine.loss(x, y))
+        loss, weight = engine.loss(x, y), weigh(y)  # every rank calls loss (collective)
+        if weight:
+            loss_sum, terms = loss_sum + loss * weight, terms + weight
         for name, (total, count) in engine.eval_metrics(x, y).items():
             kept = sums.setdefault(name, [0, 0])
             kept[0] += total
             kept[1] += count
-    val_loss = mean_over(dp_comm, float(np.mean(losses)))
+    if dp_comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        pair = np.array([loss_sum, terms], np.float64)  # terms exact below 2^53
+        with trace.span("loss_mean", "other", comm="dp_comm"):
+            dp_comm.Allreduce(MPI.IN_PLACE, pair, op=MPI.SUM)
+        loss_sum, terms = float(pair[0]), int(pair[1])
+    val_loss = loss_sum / terms if terms else float("nan")
     if dp_comm.Get_size() > 1:
         sums = {name: [dp_comm.allreduce(total), dp_comm.allreduce(count)]
                 for name, (total, count) in sorted(sums.items())}

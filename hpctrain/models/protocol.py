@@ -233,6 +233,13 @@ class Model(Module):
         """Nothing: each sample's loss depends on that sample only."""
 
     @classmethod
+    def eval_weight(cls, y: np.ndarray) -> int:
+        """How many terms a batch's ``eval_loss`` is the mean of (its rows): evaluation
+        weighs each batch by it, so that a short last batch, or a rank holding fewer
+        rows of it, counts for what it holds."""
+        return len(y)
+
+    @classmethod
     def spatial_axes(cls, m: Any) -> tuple[int, ...] | None:
         return None  # no spatial parallelism: sp must be 1
 

@@ -253,6 +253,11 @@ class Seg3D(Model):
         """The loss with BatchNorm's running statistics (nothing updated)."""
         return float(self.forward(x, targets, train=False)[0])
 
+    @classmethod
+    def eval_weight(cls, y: np.ndarray) -> int:
+        """The valid voxels of the tiles: the loss is their mean."""
+        return int((y != IGNORE).sum())
+
     def eval_metrics(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, int]]:
         """``dice_k``: (2 |P_k and T_k|, |P_k| + |T_k|) over this slab's valid voxels,
         for each class k >= 1."""
