@@ -42,9 +42,20 @@ def _progress_factory(quiet: bool):
     return progress
 
 
+class _OutputPath(click.Path):
+    """``click.Path`` that refuses a file output spelled as a folder (a trailing '/',
+    which ``Path`` would drop, writing a file under the folder's name)."""
+
+    def convert(self, value, param, ctx):
+        if self.file_okay and isinstance(value, str) and value.endswith("/"):
+            self.fail(f"{value!r} ends with '/', a folder; this command writes one file: "
+                      f"give its name, e.g. {value}data.h5", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def _output_option(help_text: str, folder: bool = False):
     return click.option("-o", "--output", required=True, help=help_text,
-                        type=click.Path(file_okay=not folder, path_type=Path))
+                        type=_OutputPath(file_okay=not folder, path_type=Path))
 
 
 def _check_not_input(output: Path, inputs: list[Path]) -> None:

@@ -97,8 +97,8 @@ def inspect(checkpoint: str, tensors: bool, as_json: bool) -> None:
         click.echo(f"  step {idx.step}, {len(ck.tensors)} tensors, {nbytes / 2**20:.2f} MiB "
                    f"in {len(idx.files)} file(s)")
         click.echo("  saved at " + " ".join(f"{k}={layout[k]}" for k in
-                                             ("world_size", "dp", "tp", "pp", "zero")
-                                             if k in layout))
+                                             ("world_size", "dp", "tp", "pp", "sp", "zero")
+                                             if k in layout and (k != "sp" or layout[k] > 1)))
         click.echo(f"  optimizer {json.dumps(idx.meta.get('optimizer'))}")
         click.echo(f"  schedule {json.dumps(idx.meta.get('schedule'))}")
         if idx.meta.get("precision") is not None:  # the stored tensors' dtypes are below

@@ -174,3 +174,13 @@ def test_inspect_shows_the_averaging_and_the_shares_a_resume_needs(tmp_path):
     assert ('  averaging {"dp": 1, "every": 3, "strategy": "diloco", "sync_steps": 0, '
             '"t": 2, "weighted": false}') in out.splitlines()
     assert '  shares {"shares": [4]}' in out.splitlines()
+    assert "  saved at world_size=1 dp=1 tp=1 pp=1 zero=0" in out.splitlines()  # sp 1: unsaid
+
+
+def test_the_saved_layout_names_the_spatial_split():
+    from hpctrain.checkpoint.state import layout_of
+    from hpctrain.config import Config, ModelConfig, ParallelConfig, TrainConfig
+
+    cfg = Config(model=ModelConfig(kind="cnn", input_dim=64, channels=(2, 3)),
+                 parallel=ParallelConfig(sp=2), train=TrainConfig(batch_size=4)).validate(4)
+    assert {"world_size": 4, "dp": 2, "sp": 2, "tp": 1}.items() <= layout_of(cfg, 4).items()

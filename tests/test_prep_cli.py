@@ -109,6 +109,14 @@ def test_text_files_and_globs(tmp_path):
     assert_ok(run("verify", out))
 
 
+def test_a_file_output_spelled_as_a_folder_is_refused(tmp_path):
+    # "-o runs/new/" wrote a file named runs/new
+    (tmp_path / "a.txt").write_bytes(b"0123456789" * 10)
+    result = run("text", tmp_path / "a.txt", "-o", f"{tmp_path / 'new'}/", "-q")
+    assert_user_error(result, "ends with '/', a folder", "new/data.h5")
+    assert not (tmp_path / "new").exists()
+
+
 def test_text_shakespeare_real(tmp_path):
     out = tmp_path / "shakespeare.h5"
     result = run("text", "shakespeare", "-o", out, "-q")

@@ -115,8 +115,8 @@ def restore_rng(generators: dict[str, np.random.Generator], states: dict[str, di
 def layout_of(cfg: Any, world_size: int) -> dict:
     par = cfg.parallel
     return {"world_size": world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
-            "zero": par.zero, "schedule": par.schedule, "virtual_stages": par.virtual_stages,
-            "sequence_parallel": par.sequence_parallel}
+            "sp": par.sp, "zero": par.zero, "schedule": par.schedule,
+            "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel}
 
 
 def schedule_of(cfg: Any) -> dict:
