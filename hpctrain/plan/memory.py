@@ -242,13 +242,14 @@ def recompute_bytes(m: ModelConfig, b: int, tp: int, sp: bool, recompute: str,
 
 def workspace_bytes(m: ModelConfig, b: int, tp: int, sp: bool, has_head: bool,
                     s: int | None = None) -> int:
-    """The transient peak above the caches (an estimate): a block's backward holds
-    dqkv (N, 3C/t), dP (b, H/t, T, T), the gradient flowing down (N, C) twice and the
-    MLP's (N, F/t) twice; the head's backward the logits' exponentials and dlogits
-    (N, V/t) twice."""
+    """The transient peak above the caches (an estimate): a block's backward runs its
+    MLP half, then its attention half, each with the gradient flowing down (N, C)
+    twice: the MLP's (N, F/t) twice, or the attention's dqkv (N, 3C/t) and dP (b, H/t,
+    T, T), whichever is larger; the head's backward the logits' exponentials and
+    dlogits (N, V/t) twice."""
     c, f, h, t, v = m.d_model, m.ffn_dim, m.n_head, m.seq_len, m.vocab_size
     n = b * t
-    block = n * 3 * c // tp + b * h // tp * t * t + 2 * n * c + 2 * n * f // tp
+    block = 2 * n * c + max(2 * n * f // tp, n * 3 * c // tp + b * h // tp * t * t)
     head = 2 * n * v // tp + 2 * n * c if has_head else 0
     return (s or itemsize(m)) * max(block, head)
 
