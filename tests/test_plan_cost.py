@@ -435,3 +435,36 @@ def test_attentions_products_take_the_cached_rate_and_the_layers_the_other():
     layers, layers_fast = (cost.block_forward_s(m, k, 1, 2, 1) - a
                            for k, a in ((kind, attn), (fast, attn_fast)))
     assert layers_fast == pytest.approx(layers) and layers > 0
+
+
+def test_groups_and_sends_that_straddle_a_node_boundary_go_over_the_link():
+    # block placement: stage r, data rank d, tensor rank t is world rank (r dp + d) tp + t
+    # 2 ranks a node, pp 4: stages 0 and 1 on node 0, 2 and 3 on node 1 (1 -> 2 crosses)
+    assert [cost.sends_cross(1, 2, r, r + 1) for r in range(3)] == [False, True, False]
+    assert cost.sends_cross(1, 2, 0, 3)  # the tied table's exchange
+    # 6 ranks a node, tp 4: the second tensor group is ranks 4-7, on both nodes
+    tensor, data = cost.spanning_groups(3, 4, 1, 6)
+    assert tensor == (True,) and data == (True,)
+    assert cost.spanning_groups(2, 4, 1, 8) == ((False,), (False,))  # all on one node
+    assert cost.spanning_groups(2, 2, 2, 4) == ((False, False), (False, False))
+    assert cost.spanning_groups(2, 2, 1, 2) == ((False,), (True,))
+
+    # priced: a pipeline of 4 on 2 nodes of 2 cores, links 1000x slower between nodes
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+    desc = {"name": "two", "kinds": [{"name": "cpu", "cores": 2, "memory_gib": 16.0,
+                                      "gemm": {"1": [[64, 2e10], [2048, 1.2e11]]},
+                                      "stream": {"1": 8e9}}],
+            "nodes": [{"kind": "cpu", "count": 2}],
+            "links": {"intra": dict.fromkeys(ops, {"latency_s": 1e-6, "bandwidth_Bps": 1e10}),
+                      "inter": dict.fromkeys(ops, {"latency_s": 1e-3, "bandwidth_Bps": 1e7})}}
+    cfg = config.from_dict({"model": {**TINY, "n_layer": 4}, "parallel": {
+        "pp": 4, "microbatches": 4}, "train": {"batch_size": 4}}).validate(4)
+    two = from_dict(desc)
+    e = cost.estimate(cfg, two)
+    boundary = mem.boundary_bytes(cfg.model, 1, 1, False)
+    near = two.collective_time("p2p", 2, boundary, False)
+    far = two.collective_time("p2p", 2, boundary, True)
+    # stage 1 sends forward across (to 2) and backward within (to 0), 4 microbatches each
+    assert e.ranks[1].time["p2p"] == pytest.approx(4 * (far + near))
+    tied = cost.tied_exchange_s(two, cfg.model, 1, 4, True)  # 0 -> 3 crosses too
+    assert e.ranks[0].time["p2p"] == pytest.approx(4 * near + tied)

@@ -50,7 +50,7 @@ def test_plan_proposes_exactly_the_layouts_validate_accepts():
     planned = {layout_name(e.cfg.parallel) for e in found.ranked}
     accepted = set()
     grid = itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8],
-                             ["gpipe", "1f1b", "interleaved"], [1, 2, 3], [0, 1, 2],
+                             ["gpipe", "1f1b", "interleaved"], [1, 2, 3], [0, 1, 2, 3],
                              [False, True])
     for dp, tp, pp, mb, schedule, v, zero, seq in grid:
         par = replace(cfg.parallel, dp=dp, tp=tp, pp=pp, microbatches=mb, schedule=schedule,
@@ -78,7 +78,7 @@ def test_plan_offers_the_batch_split_exactly_where_validate_accepts_it():
     planned = {layout_name(e.cfg.parallel) for e in found.ranked if e.cfg.parallel.tp
                == e.cfg.parallel.pp == 1}
     accepted = set()
-    for dp, mb, zero, bt in itertools.product([1, 2], [1, 2, 4, 8], [0, 1, 2], [1, 4]):
+    for dp, mb, zero, bt in itertools.product([1, 2], [1, 2, 4, 8], [0, 1, 2, 3], [1, 4]):
         par = replace(cfg.parallel, dp=dp, microbatches=mb, zero=zero, batch_threads=bt)
         try:
             checked = replace(cfg, parallel=par).validate(world)
@@ -95,6 +95,18 @@ def test_plan_offers_the_batch_split_exactly_where_validate_accepts_it():
     # one core a rank: no split offered
     eight = enumerate_layouts(cfg, hand_cluster(), 8)
     assert not any("-bt" in layout_name(e.cfg.parallel) for e in eight.ranked)
+
+
+def test_a_zero_3_config_without_resharding_is_planned_at_every_stage():
+    # the config's reshard_after_forward = false is ZeRO-3's: the other stages take
+    # the default (the plan said no layout could run the batch)
+    cfg = tiny_config()
+    cfg = replace(cfg, parallel=replace(cfg.parallel, zero=3, reshard_after_forward=False))
+    found = enumerate_layouts(cfg, hand_cluster(), 2)
+    zeros = {e.cfg.parallel.zero for e in found.ranked if e.cfg.parallel.dp == 2}
+    assert zeros == {0, 1, 2, 3}
+    assert all(e.cfg.parallel.reshard_after_forward == (e.cfg.parallel.zero != 3)
+               for e in found.ranked if e.cfg.parallel.dp == 2)
 
 
 def test_layout_names_round_trip():

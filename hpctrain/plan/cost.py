@@ -78,6 +78,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
+
 from hpctrain.config import Config, ConfigError, ModelConfig
 from hpctrain.parallel import recompute as recompute_modes
 from hpctrain.parallel.pipeline import peak_caches
@@ -398,18 +400,19 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     b = t.batch_size // (dp * mb)
     n_tokens = b * m.seq_len
     notes = []
-    # links: which groups leave the node
-    tp_inter = tp > rpn
-    dp_inter = dp * tp > rpn
-    p2p_inter = dp * tp >= rpn
+    # links: which groups of each stage leave a node, which stage-to-stage sends cross one
+    tp_inter, dp_inter = spanning_groups(dp, tp, pp, rpn)
     spans = mem.chunk_blocks(m, pp, v, par.balance)
     n_chunks = len(spans)
     # the peak caches in closed form; the order itself only for a replay (a search's
     # first pass prices thousands of layouts, each schedule's order m v p operations)
     live = peak_caches(par.schedule, pp, mb, v) if pp > 1 else (1,)
     orders = _orders(par.schedule, pp, mb, v) if pp > 1 and replay else None
-    p2p = p2p_s(cluster, mem.boundary_bytes(m, b, tp, sp, s), tp, sp, p2p_inter,
-                practice.p2p_scatter_gather) if pp > 1 else 0.0
+    boundary = mem.boundary_bytes(m, b, tp, sp, s)
+
+    def p2p(src: int, dst: int) -> float:  # one message from stage src to stage dst
+        return p2p_s(cluster, boundary, tp, sp, sends_cross(dp * tp, rpn, src, dst),
+                     practice.p2p_scatter_gather)
     states = mem.OPTIMIZER_STATES[t.optimizer]
     # memory: what each kind of array is stored in (the config's precision, else the practice's)
     e = mem.elements(m, t.precision, practice.element_bytes, practice.master_bytes)
@@ -440,7 +443,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                                            m.d_model)}[rc]
         again_bytes = {"none": 0.0, "full": f_bytes, "selective": score_bytes,
                        "attention": score_bytes}[rc]
-        tp_op = tp_collective_s(cluster, tp, s * n_tokens * m.d_model, sp, tp_inter)
+        tp_op = tp_collective_s(cluster, tp, s * n_tokens * m.d_model, sp, tp_inter[r])
         times, pieces = {}, {}
         chunks = [c * pp + r for c in range(v)]
         blocks = 0
@@ -465,8 +468,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                 comm_b += tp_op
             if cstream:
                 fwd, bwd = fwd + ef / cstream, bwd + eb / cstream
-            link_f = 0.0 if last else p2p
-            link_b = 0.0 if first else p2p
+            link_f = 0.0 if last else p2p(r, (k + 1) % pp)  # chunk k + 1's rank
+            link_b = 0.0 if first else p2p(r, (k - 1) % pp)
             times[k] = (fwd, bwd, comm_f, comm_b, link_f, link_b)
             if pp == 1:  # the backward's pieces, for when the buckets are ready
                 # (head, each block's MLP then attention half from the last block,
@@ -507,7 +510,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                              grad_sum=summed / cstream if cstream else 0.0))
 
     makespan, busy, ends = _pipeline(orders, chunk_times, n_chunks, pp, mb, v, replay)
-    tied = tied_exchange_s(cluster, m, tp, s, world > rpn) if pp > 1 else 0.0
+    tied = (tied_exchange_s(cluster, m, tp, s, sends_cross(dp * tp, rpn, 0, pp - 1))
+            if pp > 1 else 0.0)
     ranks = []
     for r, info in enumerate(per_rank):
         times = chunk_times[r]
@@ -517,7 +521,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             + (tied if r in (0, pp - 1) else 0.0)
         bubble = max(0.0, makespan - busy[r])
         hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
-        cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter else 0.0
+        cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter[r] else 0.0
         zero_align = dp if par.zero else 1
         planned = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
         if practice.dp_overlap:
@@ -525,7 +529,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             sums = [(nbytes, ready[unit]) for nbytes, unit in planned]
         else:  # the sum after the backward
             sums = [(nbytes, makespan) for nbytes, _ in planned]
-        dp_s = dp_time(cfg, cluster, sums, makespan, rpn, dp_inter, hidden, cpu,
+        dp_s = dp_time(cfg, cluster, sums, makespan, rpn, dp_inter[r], hidden, cpu,
                        info["numel"] * s)
         passes = (NUMBA_OPT_PASSES if kernels == "numba" else OPT_PASSES).get(t.optimizer, 10)
         opt_bytes = (practice.master_bytes or s) * passes * \
@@ -553,6 +557,31 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     peak = sum(rpn * cluster.kinds[n].peak_rate(rpn) * count for n, count in cluster.nodes)
     return Estimate(cfg, world, rpn, step, t.batch_size * m.seq_len / step,
                     flops / step / peak, ranks, notes)
+
+
+@lru_cache(maxsize=4096)
+def spanning_groups(dp: int, tp: int, pp: int, rpn: int) -> tuple[tuple[bool, ...], ...]:
+    """(per pipeline rank: whether one of its tensor groups spans two nodes, the same
+    for its data groups) under the block placement, ``rpn`` ranks a node: world rank
+    ``(r dp + d) tp + t`` for stage r, data rank d, tensor rank t. A group on two
+    nodes runs its collective over the link between them, whatever the group's size
+    (a node of 6 cores holds one tensor group of 4 whole and half of the next)."""
+    size = dp * tp
+    tensor, data = [], []
+    for r in range(pp):
+        starts = r * size + np.arange(dp) * tp  # each tensor group's first rank
+        tensor.append(bool(np.any(starts // rpn != (starts + tp - 1) // rpn)))
+        firsts = r * size + np.arange(tp)  # each data group's first rank; its last
+        data.append(bool(np.any(firsts // rpn != (firsts + (dp - 1) * tp) // rpn)))
+    return tuple(tensor), tuple(data)
+
+
+@lru_cache(maxsize=4096)
+def sends_cross(size: int, rpn: int, src: int, dst: int) -> bool:
+    """Whether a rank of pipeline stage ``src`` and its peer in stage ``dst`` (``size``
+    ranks a stage, block placement) sit on different nodes, for some rank."""
+    ranks = src * size + np.arange(size)
+    return bool(np.any(ranks // rpn != (ranks + (dst - src) * size) // rpn))
 
 
 def batch_split(cfg: Config, kinds: list[NodeKind], rpn: int, b: int) -> int:

@@ -146,13 +146,15 @@ def candidates(cfg: Config, world: int, threads: int = 1):
             rows = batch // (dp * mb)
             splits = (1, threads) if tp == pp == 1 and min(threads, rows) > 1 else (1,)
             for schedule, v in schedules:
-                for zero in ((0, 1, 2) if dp > 1 and par.averaging == "sync" else (0,)):
+                for zero in ((0, 1, 2, 3) if dp > 1 and par.averaging == "sync" else (0,)):
+                    # the config's resharding is ZeRO-3's; the other stages take the default
+                    reshard = par.reshard_after_forward if zero == 3 else True
                     for seq in ((False, True) if tp > 1 else (False,)):
                         for split in splits:
                             yield replace(par, dp=dp, tp=tp, pp=pp, microbatches=mb,
                                           schedule=schedule, virtual_stages=v,
                                           zero=zero, sequence_parallel=seq, sp=1,
-                                          batch_threads=split)
+                                          batch_threads=split, reshard_after_forward=reshard)
 
 
 def node_cores(cluster: Cluster) -> int:
