@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -192,6 +193,30 @@ def test_plan_tables_command_prints_writes_and_refuses(tmp_path):
     assert got.exit_code != 0 and "table 'hashed' (row-wise)" in got.output
     got = CliRunner().invoke(main, [*args, "--memory-gib", "0.2"])
     assert got.exit_code != 0 and "table 'hashed' (10,000,000 x 32" in got.output
+
+
+def test_plan_tables_out_never_replaces_an_input_and_checks_its_folder_first(tmp_path):
+    # --out over the --config replaced it with the plan; a missing folder failed with a
+    # traceback after the planning; an existing file was replaced without a word
+    rates = tmp_path / "rates.toml"
+    rates.write_text(to_toml([RATES], "test"))
+    config = tmp_path / "dlrm.toml"
+    config.write_text(Path("configs/dlrm-movielens.toml").read_text())
+    args = ["plan-tables", "--config", str(config), "--hashed-rows", "10000000", "--ranks",
+            "2", "--rates", str(rates), "--memory-gib", "1", "--optimizer", "rowwise_adagrad"]
+    before = config.read_text()
+    for out, force in ((config, True), (rates, True)):
+        got = CliRunner().invoke(main, [*args, "--out", str(out)] + ["--force"] * force)
+        assert got.exit_code == 2 and "never replaces (not even with --force)" in got.output
+    assert config.read_text() == before
+    deep = tmp_path / "new" / "plan.toml"
+    assert CliRunner().invoke(main, [*args, "--out", str(deep)]).exit_code == 0
+    got = CliRunner().invoke(main, [*args, "--out", str(deep)])
+    assert got.exit_code == 2 and "already exists; pass --force" in got.output
+    assert CliRunner().invoke(main, [*args, "--out", str(deep), "--force"]).exit_code == 0
+    got = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "x.toml"), "--check",
+                                    str(deep)])
+    assert got.exit_code == 2 and "plans nothing" in got.output
 
 
 def test_shared_time_runs_each_call_with_inputs_of_its_own_for_the_span_asked():

@@ -549,12 +549,14 @@ def calibrate_tables_command(config_path, hashed_rows, batch, optimizer, bag_fil
               help="Memory per rank for the tables and their optimizer state, GiB.")
 @click.option("--rates", default=DEFAULT_RATES, show_default=True,
               help="The rates file (hpctrain calibrate-tables).")
-@click.option("--out", help="Write the plan here (for hpctrain train --table-plan).")
+@click.option("--out", help="Write the plan here (for hpctrain train --table-plan; its "
+                             "folder is made; never the --config, --rates or --check file).")
+@click.option("--force", is_flag=True, help="Let --out replace an existing file.")
 @click.option("--check", "check_path", type=click.Path(exists=True, dir_okay=False),
               help="Instead of planning, cost this plan file (a hand-written one) and "
                    "refuse it when it does not fit.")
 def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ranks,
-                        memory_gib, rates, out, check_path) -> None:
+                        memory_gib, rates, out, force, check_path) -> None:
     """Choose each embedding table's sharding: fit the memory per rank, balance the
     predicted per-rank step; print the plan and its prediction.
 
@@ -564,6 +566,9 @@ def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ra
           --ranks 4 --memory-gib 2 --out plan.toml
       mpiexec -n 4 hpctrain train --config ... --table-plan plan.toml
     """
+    if out:  # before the planning: the file is writable and replaces no input
+        _check_plan_output(Path(out), force, check_path,
+                           {"--config": config_path, "--rates": rates})
     try:
         model = model_of(config_path, hashed_rows)
         optimizer = optimizer or _optimizer(config_path)
@@ -582,9 +587,30 @@ def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ra
     click.echo(f"{len(work.tables)} tables, {ranks} ranks of {memory_gib:g} GiB, {batch} "
                f"samples per rank, {optimizer}; rates {rates} (load then: {r.load})")
     click.echo(tp.format_prediction(placements, work, pred, r, ranks))
-    if out and not check_path:
-        Path(out).write_text(plan.toml())
+    if out:
+        from hpctrain.data.format import atomic_output
+
+        with atomic_output(out, force=force) as tmp:
+            tmp.write_text(plan.toml())
         click.echo(f"wrote {out} (hpctrain train --table-plan {out})")
+
+
+def _check_plan_output(out: Path, force: bool, check_path: str | None,
+                       inputs: dict[str, str]) -> None:
+    """--out is refused with --check (nothing is planned), when it is one of the
+    inputs (even with --force), when it exists (unless --force), or when its folder
+    cannot be made or written into: a usage error naming the path."""
+    from hpctrain.data.format import same_file
+    from hpctrain.plan.calibrate import check_output
+
+    if check_path:
+        raise click.BadParameter("--check costs a plan file and plans nothing: there is no "
+                                 "plan to write", param_hint="--out")
+    for option, given in inputs.items():
+        if given and same_file(out, given):
+            raise click.BadParameter(f"{out}: is the {option} file, which --out never "
+                                     f"replaces (not even with --force)", param_hint="--out")
+    check_output(out, "--out", exist_ok=force)
 
 
 def _optimizer(config_path: str) -> str:
