@@ -213,8 +213,9 @@ def mni152(source_dir, output, downsample, compression, force, quiet) -> None:
     clipped to [0, 1], is the image; each voxel's label is the largest of the grey and
     white matter probabilities and what they leave: 0 other (background, CSF), 1 grey
     matter, 2 white matter. Both are block-averaged by --downsample first (labels
-    from the averaged probabilities). The top quarter along Z (superior) is held
-    out: no training crop takes a voxel from it. Read from PyPI nilearn==0.14.1
+    from the averaged probabilities). The top quarter of the brain along Z (superior),
+    with the empty slices above it, is held out: no training crop takes a voxel from
+    it (at --downsample 2, Z 58-94 of 94). Read from PyPI nilearn==0.14.1
     (installed --no-deps, never imported).
 
     \b

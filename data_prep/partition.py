@@ -132,7 +132,7 @@ def partition(source: Path, out: Path, *, num_shards: int, strategy: str = "cont
         raise DataError(f"{len(weights)} weights for {num_shards} shards: give one per shard")
     if row_size < 1:
         raise DataError(f"row size ({row_size}) must be at least 1")
-    check_output(out, force)
+    check_output(out, force, folder=True)
     if source.is_dir() and (source / MANIFEST_NAME).is_file():
         m = read_manifest(source)
         was = str(m.source) if m.source is not None else f"{m.source_relpath} (not found now)"

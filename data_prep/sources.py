@@ -74,7 +74,12 @@ def text_files(specs: list[str]) -> list[Path]:
         else:
             raise DataError(f"{spec}: no such file, glob or corpus "
                             f"(corpora: {', '.join(CORPORA)})")
-        out += [f for f in found if f not in out]
+        # a file named twice (another spelling, a link) is read once
+        seen = {f.resolve() for f in out}
+        for f in found:
+            if f.resolve() not in seen:
+                out.append(f)
+                seen.add(f.resolve())
     return out
 
 
@@ -188,12 +193,16 @@ def _ints(path: Path, name: str, values: list[str], dtype) -> np.ndarray:
         return np.array([int(float(v)) for v in values], dtype=dtype)
     except ValueError as err:
         raise DataError(f"{path}: column {name!r} holds a non-number ({err})") from None
+    except OverflowError as err:  # inf, or beyond the column's type
+        raise DataError(f"{path}: column {name!r} holds a value out of range for "
+                        f"{np.dtype(dtype).name} ({err})") from None
 
 
 def _codes(values: list[str]) -> tuple[np.ndarray, list[str]]:
     categories = sorted(set(values))
     index = {c: i for i, c in enumerate(categories)}
-    return np.array([index[v] for v in values], dtype=np.uint8), categories
+    dtype = np.uint8 if len(categories) <= 256 else np.int32  # a code for each
+    return np.array([index[v] for v in values], dtype=dtype), categories
 
 
 def movielens(folder: Path) -> dict[str, dict[str, np.ndarray]]:

@@ -69,7 +69,7 @@ def write_tokens(out: Path, files: list[Path], *, val_fraction: float, compressi
                         f"--val-fraction)")
     attrs = _header(TOKENS) | {"vocab_size": 256, "val_fraction": val_fraction,
                                "max_token": int(max(train_tokens.max(), val_tokens.max())),
-                               "sources": [f.name for f in files]}
+                               **source_names(files)}
     with atomic_h5(out, force=force, attrs=attrs) as h5:
         with progress(2, "writing") as bar:
             write_array(h5, "train", train_tokens, compression)
@@ -77,6 +77,19 @@ def write_tokens(out: Path, files: list[Path], *, val_fraction: float, compressi
             write_array(h5, "val", val_tokens, compression)
             bar.update(1)
     return {"train": int(train_tokens.size), "val": int(val_tokens.size)}
+
+
+def source_names(files: list[Path], budget: int = 48_000) -> dict:
+    """``sources``: the files' names, as many as fit an HDF5 attribute (a compact one
+    holds under 64 KiB: 4,100 names failed with "object header message is too large"),
+    and ``sources_count``: how many files there were."""
+    names, used = [], 0
+    for f in files:
+        used += len(f.name.encode()) + 16  # a variable-length string's own overhead
+        if used > budget:
+            break
+        names.append(f.name)
+    return {"sources": names, "sources_count": len(files)}
 
 
 def write_images(out: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]], *,

@@ -296,6 +296,10 @@ def test_more_validation_batches_than_the_split_holds_are_refused_with_the_most(
     with pytest.raises(DataError, match=rf"x 5 samples a rank .* the {rows // 2:,} rows"):
         eval_batches(images_h5, split="test", batch_size=10, dp_rank=1, dp_size=2,
                      num_batches=most + 1)
+    # not even one batch: "use eval_batches 0 or fewer" named what the config refuses
+    with pytest.raises(DataError, match=rf"not one batch fits: use a batch_size of at most "
+                                        rf"{rows:,} \({rows:,} a rank\)"):
+        eval_batches(images_h5, split="test", batch_size=rows + 1, num_batches=1)
 
 
 # ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 from pathlib import Path
 
 import h5py
@@ -283,6 +284,66 @@ def test_movielens_real(tmp_path):
     assert data["items/genres"].shape[0] == 1682 and data["items/title"][0] == b"Toy Story"
     with h5py.File(out) as f:
         assert list(f["users/gender"].attrs["categories"]) == ["F", "M"]
+
+
+def test_movielens_with_more_than_256_values_of_a_category(tmp_path):
+    # the codes were uint8: "OverflowError: Python integer 334 out of bounds for uint8"
+    from data_prep.sources import movielens_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(movielens_dir(), src)
+    user = src / "ml-100k.user"
+    head, *rows = user.read_text().splitlines()
+    rows = [r.split("\t") for r in rows]
+    for i, r in enumerate(rows):
+        r[3] = f"job{i}"  # every user an occupation of their own
+    user.write_text("\n".join([head] + ["\t".join(r) for r in rows]) + "\n")
+    out = tmp_path / "ml.h5"
+    assert_ok(run("movielens", "--source-dir", src, "-o", out, "-q"))
+    with h5py.File(out) as f:
+        assert len(f["users/occupation"].attrs["categories"]) == 943
+        assert sorted(set(f["users/occupation"][...].tolist())) == list(range(943))
+
+
+def test_a_corpus_of_thousands_of_files_is_written(tmp_path):
+    # every name went into one attribute: past about 4,095 names HDF5 refused it
+    # ("object header message is too large") and nothing was written
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4100):
+        (corpus / f"document-{i:05d}.txt").write_bytes(b"some text %d\n" % i)
+    out = tmp_path / "t.h5"
+    assert_ok(run("text", corpus / "*.txt", "-o", out, "-q"))
+    with h5py.File(out) as f:
+        assert f.attrs["sources_count"] == 4100
+        names = list(f.attrs["sources"])
+        assert 0 < len(names) < 4100 and names[0] == "document-00000.txt"
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, monkeypatch):
+    # another spelling and a link were read again: the document in train and val twice
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_bytes(b"0123456789" * 10)
+    (tmp_path / "link.txt").symlink_to("a.txt")
+    assert_ok(run("text", "a.txt", tmp_path / "a.txt", "link.txt", "-o", "t.h5",
+                  "--val-fraction", "0.1", "-q"))
+    with h5py.File(tmp_path / "t.h5") as f:
+        assert f["train"].size + f["val"].size == 100
+
+
+def test_a_file_output_never_replaces_a_folder_holding_files(tmp_path):
+    # text -o PARTITION --force replaced the partition folder (shards and manifest)
+    (tmp_path / "a.txt").write_bytes(b"0123456789" * 10)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "manifest.h5").write_bytes(b"kept")
+    assert_user_error(run("text", tmp_path / "a.txt", "-o", parts, "--force"),
+                      "is a folder holding files", "not even with --force")
+    assert (parts / "manifest.h5").read_bytes() == b"kept"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_ok(run("text", tmp_path / "a.txt", "-o", empty, "-q"))  # an empty one is replaced
+    assert h5py.is_hdf5(empty)
 
 
 def test_movielens_bad_input(tmp_path):

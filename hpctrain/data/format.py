@@ -283,11 +283,17 @@ def write_array(group: h5py.Group, name: str, data: np.ndarray,
     return dset
 
 
-def check_output(path: str | Path, force: bool) -> None:
-    """Refuse to replace an existing output unless ``force``; refuse odd targets always."""
+def check_output(path: str | Path, force: bool, folder: bool = False) -> None:
+    """Refuse to replace an existing output unless ``force``; refuse odd targets always:
+    a folder holding files where a file is written (``folder`` False; an empty one is
+    replaced), a folder that is no partition where a partition is."""
     path = Path(path)
     if not (path.exists() or path.is_symlink()):
         return
+    if path.is_dir() and not folder and any(path.iterdir()):
+        raise DataError(f"{path}: is a folder holding files, and this writes one file: "
+                        f"give the file's name (e.g. {path / 'data.h5'}); such a folder is "
+                        f"never replaced by a file, not even with --force")
     if path.is_dir() and not any(path.iterdir()):
         return
     if not force:
@@ -334,7 +340,7 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
     never leaves anything under the final name. ``force`` allows replacing an output.
     """
     path = Path(path)
-    check_output(path, force)
+    check_output(path, force, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     if folder:
@@ -342,7 +348,7 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
     try:
         yield tmp
         fsync_path(tmp)
-        check_output(path, force)  # another writer may have finished meanwhile
+        check_output(path, force, folder)  # another writer may have finished meanwhile
         old = None
         if path.is_dir() and any(path.iterdir()):
             old = path.with_name(f".{path.name}.{os.getpid()}.old.tmp")

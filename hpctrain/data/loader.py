@@ -301,9 +301,13 @@ def eval_batches(path: str | Path, *, split: str = "val", batch_size: int, dp_ra
         most = loader.num_samples // per_batch
         if num_batches > most:
             what = "windows" if loader.kind == "tokens" else "rows"
+            fix = (f"use eval_batches {most} or fewer" if most else
+                   f"not one batch fits: use a batch_size of at most "
+                   f"{loader.num_samples * dp_size:,} ({loader.num_samples:,} a rank), fewer "
+                   f"ranks or shards, or a larger split")
             raise DataError(f"{path}: eval_batches ({num_batches}) x {per_batch} samples "
                             f"a rank is more than the {loader.num_samples:,} {what} of split "
-                            f"{split!r} a rank draws from: use eval_batches {most} or fewer")
+                            f"{split!r} a rank draws from: {fix}")
         return [loader.batch(s) for s in range(num_batches)]
 
 
