@@ -32,6 +32,15 @@ def test_a_valid_description_reads_and_round_trips_through_toml():
     assert again == c
 
 
+def test_names_with_quotes_round_trip_through_toml():
+    # name = "Bob"s lab" was written, which TOML cannot read
+    raw = valid()
+    raw["name"], raw["launcher"] = "Bob's \"lab\"", "srun --mpi=pmix"
+    raw["kinds"][0]["name"] = raw["nodes"][0]["kind"] = 'cpu "fast"'
+    c = cl.from_dict(raw)
+    assert cl.from_dict(tomllib.loads(cl.to_toml(c))) == c
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda r: r["kinds"][0].pop("cores"), "kinds[0]: missing field 'cores'"),
     (lambda r: r["links"]["inter"].pop("p2p"), "links.inter: missing field 'p2p'"),
@@ -188,8 +197,13 @@ def _set(path, value):
     (_set(["nodes"], []), "nodes ([]) must list one or more groups of nodes"),
     # ranks-per-node keys and GEMM sizes
     (_set(["kinds", 0, "stream"], {"eight": 4e9}),
-     "kinds[0].stream key 'eight' must be a ranks-per-node count (a positive integer)"),
+     "kinds[0].stream key 'eight' must be a ranks-per-node count (a positive integer"),
     (_set(["kinds", 0, "stream"], {"0": 4e9}), "kinds[0].stream key '0' must be a ranks"),
+    # "01" stood beside "1" and the last one read won, unseen
+    (_set(["kinds", 0, "stream"], {"1": 4e9, "01": 5e9}),
+     "kinds[0].stream key '01' must be a ranks-per-node count (a positive integer written "
+     "plainly"),
+    (_set(["kinds", 0, "gemm"], {" 1": [[128, 6e10]]}), "kinds[0].gemm key ' 1' must be"),
     (_set(["kinds", 0, "gemm"], {"1": [[0.5, 2e10], [512, 4e10]]}),
      "kinds[0].gemm.1[0][0] (0.5) must be a positive integer (n of an n x n x n product)"),
     (_set(["kinds", 0, "gemm"], {"1": [[0, 2e10]]}), "kinds[0].gemm.1[0][0] (0) must be a"),

@@ -437,6 +437,17 @@ def test_attentions_products_take_the_cached_rate_and_the_layers_the_other():
     assert layers_fast == pytest.approx(layers) and layers > 0
 
 
+def test_bf16_gradient_sums_are_priced_at_two_bytes_an_element():
+    # parallel/bf16_reduce.py sends each bucket in bfloat16: half the float32 bytes
+    def dp_seconds(dtype):
+        cfg = config.from_dict({"model": TINY, "parallel": {
+            "dp": 2, "grad_comm_dtype": dtype}, "train": {"batch_size": 4}}).validate(2)
+        return cost.estimate(cfg, cluster(latency=0.0, bandwidth=1e6)).ranks[0].time["dp"]
+
+    fp32, bf16 = dp_seconds("fp32"), dp_seconds("bf16")
+    assert fp32 > 0 and bf16 == pytest.approx(fp32 / 2, rel=0.02)
+
+
 def test_groups_and_sends_that_straddle_a_node_boundary_go_over_the_link():
     # block placement: stage r, data rank d, tensor rank t is world rank (r dp + d) tp + t
     # 2 ranks a node, pp 4: stages 0 and 1 on node 0, 2 and 3 on node 1 (1 -> 2 crosses)

@@ -187,6 +187,18 @@ def test_plan_command_prints_a_table_and_emits_a_config(files):
     assert f"--dp {par.dp} --tp {par.tp} --pp {par.pp}" in job.read_text()
 
 
+def test_explain_says_when_the_layout_does_not_fit_and_emits_no_config_of_it(files):
+    # the only sign was "total 120.3 of 51" in the rank's line, and --emit wrote it
+    args = ["--config", str(files / "wide.toml"), "--cluster", str(files / "small.toml"),
+            "--explain", "dp1-tp1-pp1-mb1-1f1b-z0"]
+    got = CliRunner().invoke(plan, args)
+    assert got.exit_code == 0, got.output
+    assert "dp1-tp1-pp1-mb1-1f1b-z0 does not fit in memory: pp rank 0 needs" in got.output
+    got = CliRunner().invoke(plan, [*args, "--emit", str(files / "x.toml")])
+    assert got.exit_code == 1 and "--emit writes no config of it" in got.output
+    assert not (files / "x.toml").exists()
+
+
 def test_plan_says_when_slurm_render_cannot_run_the_layout(files):
     # 4 nodes of 2 cores: a tensor group of 4 spans two nodes, which render refuses
     (files / "four.toml").write_text(to_toml(hand_cluster((("cpu", 4),), cores=2)))

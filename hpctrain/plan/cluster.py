@@ -72,6 +72,7 @@ that is not a positive integer (``true`` is not 1).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,9 +266,9 @@ def _ranks_key(key: str, where: str) -> int:
         ranks = int(key)
     except ValueError:
         ranks = 0
-    if ranks < 1:
+    if ranks < 1 or key != str(ranks):  # "01" or " 1" would stand beside "1" unseen
         raise ClusterError(f"{where} key {key!r} must be a ranks-per-node count (a "
-                           f"positive integer)")
+                           f"positive integer written plainly, as \"2\")")
     return ranks
 
 
@@ -476,9 +477,9 @@ def load_cluster(path: str | Path) -> Cluster:
 
 def to_toml(c: Cluster) -> str:
     """The description as TOML, the way ``load_cluster`` reads it back."""
-    lines = [f"name = {c.name!r}".replace("'", '"'), f'launcher = "{c.launcher}"', ""]
+    lines = [f"name = {_string(c.name)}", f"launcher = {_string(c.launcher)}", ""]
     for k in c.kinds.values():
-        lines += ["[[kinds]]", f'name = "{k.name}"', f"cores = {k.cores}",
+        lines += ["[[kinds]]", f"name = {_string(k.name)}", f"cores = {k.cores}",
                   f"memory_gib = {k.memory_bytes / 2**30:.3f}"]
         if k.peak_flops:
             lines += [f"peak_flops = {k.peak_flops:.4e}",
@@ -499,13 +500,19 @@ def to_toml(c: Cluster) -> str:
             lines.append(f"comm_cpu_s_per_byte = {k.comm_cpu_s_per_byte:.4e}")
         lines.append("")
     for kind, count in c.nodes:
-        lines += ["[[nodes]]", f'kind = "{kind}"', f"count = {count}", ""]
+        lines += ["[[nodes]]", f"kind = {_string(kind)}", f"count = {count}", ""]
     for level in LEVELS:
         lines.append(f"[links.{level}]")
         for op in OPS:
             lines.append(f"{op} = {_link_toml(c.links[level][op])}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _string(text: str) -> str:
+    """A TOML basic string: JSON's escapes are TOML's (a name like "Bob's lab" or one
+    with a double quote reads back as written)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _link_toml(link: Link | Pieces) -> str:

@@ -524,6 +524,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter[r] else 0.0
         zero_align = dp if par.zero else 1
         planned = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
+        if par.grad_comm_dtype == "bf16" and s > 2:  # bf16_reduce: 2 bytes an element sent
+            planned = tuple((nbytes * 2 // s, unit) for nbytes, unit in planned)
         if practice.dp_overlap:
             ready = ready_times(info["pieces"], times, ends[r], makespan, pp)
             sums = [(nbytes, ready[unit]) for nbytes, unit in planned]
@@ -547,6 +549,19 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                          f"({measured}) stand in for the {used} this layout computes at "
                          f"once (ranks a node times batch threads), pricing each with "
                          f"more cores than it has: the times are too short")
+    if pp > 1 and par.pipeline_training == "local":
+        notes.append("pipeline_training 'local' is priced as backpropagation through the "
+                     "pipeline: its auxiliary heads and the forward-only pipeline are not "
+                     "in the times or the memory")
+    if t.recompute_pieces and rc != "none":
+        notes.append(f"recompute_pieces {list(t.recompute_pieces)} is priced as {rc!r} "
+                     f"recomputation of every block: the blocks kept whole are not in the "
+                     f"times or the memory")
+    if t.blas_threads and any(t.blas_threads != max(1, k.cores // rpn)
+                              for r in per_rank for k in r["kinds"]):
+        notes.append(f"blas_threads {t.blas_threads}: the rates are read at a rank's share "
+                     f"of its node's cores ({rpn} ranks a node), not at {t.blas_threads} "
+                     f"thread(s) a rank")
     if stream_missing:
         notes.append("the cluster gives no stream rate: element-wise work and the "
                      "optimizer update are left out of the times")

@@ -385,6 +385,14 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
             check_threads(par, cluster, cost.ranks_per_node(cluster, world))
             chosen = cost.estimate(checked, cluster, practice=practice)
             click.echo(explain(chosen))
+            if not fits(chosen):
+                worst = max(chosen.ranks, key=lambda r: r.memory.total - r.memory_limit)
+                over = (f"{explain_layout} does not fit in memory: pp rank {worst.pp_rank} "
+                        f"needs {size(worst.memory.total)}, {size(miss(chosen))} over its "
+                        f"limit of {size(worst.memory_limit)}")
+                if emit:  # a config train would run out of memory with
+                    raise click.ClickException(f"{over}; --emit writes no config of it")
+                click.echo(over)
         else:
             for world in worlds:
                 check_ranks(cluster, world)
