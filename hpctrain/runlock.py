@@ -105,10 +105,13 @@ def process_start(pid: int) -> str | None:
 
 @dataclass
 class RunLock:
-    """A held run folder; ``release`` removes the lock file if it is still this one's."""
+    """A held run folder; ``release`` removes the lock file if it is still this one's,
+    and the folder too if the lock made it and nothing else was put in it (a run that
+    failed at its start leaves no empty folder behind)."""
 
     path: Path
     holder: Holder
+    made: bool = False  # the folder was made with the lock
 
     def release(self) -> None:
         found = _read(self.path)
@@ -117,6 +120,11 @@ class RunLock:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+            if self.made:
+                try:
+                    self.path.parent.rmdir()  # only if empty
+                except OSError:
+                    pass
 
 
 def acquire(run_dir: str | Path, command: str = "train",
@@ -130,11 +138,12 @@ def acquire(run_dir: str | Path, command: str = "train",
     run_dir = Path(run_dir)
     path = lock_path(run_dir)
     me = this_process(command, env)
+    made = not run_dir.exists()
     for _ in range(3):  # a racing job may take or free the lock between two looks
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             if _create(path, me):
-                return RunLock(path, me)
+                return RunLock(path, me, made)
         except OSError as err:  # train's own words for the folder (train._check_outputs)
             raise UserError(f"the run folder (--run-dir) {run_dir}: cannot be made or "
                             f"written to ({err.strerror or err}); choose another") from None

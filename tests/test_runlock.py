@@ -78,6 +78,22 @@ def test_a_free_folder_is_taken_with_the_holder_recorded_and_released(tmp_path):
     assert not lock.path.exists()
 
 
+def test_a_folder_the_lock_made_goes_with_it_when_nothing_was_written(tmp_path):
+    # a run that failed at its start (no such dataset) left an empty run folder
+    env = no_slurm(tmp_path)
+    made = tmp_path / "new"
+    runlock.acquire(made, env=env).release()
+    assert not made.exists()
+    lock = runlock.acquire(made, env=env)
+    (made / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    assert (made / "metrics.jsonl").exists() and not lock.path.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    runlock.acquire(empty, env=env).release()
+    assert empty.is_dir()  # the user's own folder stays
+
+
 def test_a_live_holder_is_refused_with_the_folder_and_holder_named(tmp_path, sleeper):
     path = write_lock(tmp_path, pid=sleeper.pid, job_id="77", attempt=2)
     with pytest.raises(UserError) as err:
