@@ -114,7 +114,8 @@ class MemoryReport:
 
     def __init__(self, cfg: Any, comm: Any):
         self.cfg, self.comm = cfg, comm
-        self.step = 0
+        self.step = 0  # the training step just taken (a resumed run starts past 0)
+        self.taken = 0  # steps this process took
         self.last: list[dict] = []
         tracemalloc.start()
 
@@ -131,10 +132,13 @@ class MemoryReport:
             resource.RUSAGE_SELF).ru_maxrss * 1024, "pp_rank": self.pp_rank}
 
     def after_step(self) -> dict[str, Any]:
+        """Measure the step; report every ``log_interval`` training steps, at the last
+        and at this process's second (its first after the allocations settle)."""
         self.step += 1
+        self.taken += 1
         mine = self.measure()
         t = self.cfg.train
-        if self.step % t.log_interval and self.step not in (2, t.steps):
+        if self.step % t.log_interval and self.taken != 2 and self.step != t.steps:
             return {}
         self.last = self.comm.allgather(mine)
         return {"memory_per_rank": self.last}

@@ -16,15 +16,19 @@ class MetricsWriter:
     """Appends metrics records to ``run_dir/metrics.jsonl`` and prints progress."""
 
     def __init__(self, run_dir: str | Path, *, stream: TextIO | None = None,
-                 resume_after: int | None = None):
+                 resume_after: int | None = None, evaluates_again: bool = False):
         """A new file, or with ``resume_after`` the old one minus records of later steps
-        (a run resumed from step N's checkpoint redoes the steps after N)."""
+        (a run resumed from step N's checkpoint redoes the steps after N); with
+        ``evaluates_again`` (a resume with no step left, which evaluates step N's
+        checkpoint) minus an earlier such evaluation's record of step N too, which
+        each rerun added again."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._stream = stream if stream is not None else sys.stdout
         if resume_after is not None and self.path.exists():
             records, cut = read_records(self.path)
-            kept = [r for r in records if r["step"] <= resume_after]
+            kept = [r for r in records if r["step"] < resume_after or (
+                r["step"] == resume_after and not (evaluates_again and "loss" not in r))]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
             tmp.replace(self.path)

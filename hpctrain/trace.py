@@ -105,7 +105,8 @@ class NullTracer:
     def span(self, name: str, cat: str, **args) -> _NullSpan:
         return _NULL_SPAN
 
-    def add(self, name: str, cat: str, start: float, end: float, **args) -> None:
+    def add(self, name: str, cat: str, start: float, end: float, *, track: str | None = None,
+            **args) -> None:
         return None
 
 
@@ -138,11 +139,16 @@ class Tracer:
         """A context manager timing one span of category ``cat``."""
         return _Span(self, name, cat, args)
 
-    def add(self, name: str, cat: str, start: float, end: float, **args) -> None:
+    def add(self, name: str, cat: str, start: float, end: float, *, track: str | None = None,
+            **args) -> None:
         """A span measured elsewhere (``perf_counter`` readings), e.g. by a helper
-        thread that saw an operation complete; it is not counted in the totals."""
+        thread that saw an operation complete; it is not counted in the totals.
+        ``track``: a row of its own by that name (an operation that ran beside the
+        thread that saw it end would overlap that thread's spans, which a trace viewer
+        draws only nested); default the calling thread's."""
         if self.keep_events:
-            self.events.append((name, cat, self._tid(), start, end, self._args(args)))
+            tid = self._tid() if track is None else self._track(track)
+            self.events.append((name, cat, tid, start, end, self._args(args)))
 
     def position(self) -> Position:
         """Where the main thread is: a copy, safe to take from any thread."""
@@ -179,6 +185,14 @@ class Tracer:
 
     def _args(self, args: dict) -> dict:
         return args if self.step is None else {"step": self.step, **args}
+
+    def _track(self, name: str) -> int:
+        """The tid of a named row that is no thread (``add``'s ``track``)."""
+        tid = self._tids.get(("track", name))
+        if tid is None:
+            tid = self._tids[("track", name)] = len(self._tids)
+            self._thread_names[tid] = name
+        return tid
 
     def _tid(self) -> int:
         ident = threading.get_ident()

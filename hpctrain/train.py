@@ -323,6 +323,7 @@ def _check_outputs(cfg: Config, resume: str | None, trace_path: str | None) -> N
     whole run."""
     import tempfile
 
+    from hpctrain.data.format import same_file
     from hpctrain.metrics import read_metrics
 
     def writable(folder: Path, what: str) -> None:
@@ -346,6 +347,11 @@ def _check_outputs(cfg: Config, resume: str | None, trace_path: str | None) -> N
         read_metrics(metrics)  # the records a resume keeps: a MetricsError names the line
     if trace_path is not None:  # (click refuses a folder)
         writable(Path(trace_path).parent, "--trace's folder")
+        for own in (metrics, run_dir / "config.json"):
+            if same_file(trace_path, own) or Path(trace_path).resolve() == own.resolve():
+                raise UserError(f"--trace {trace_path}: is the run's own {own.name}, which "
+                                f"the trace would replace; write it elsewhere (e.g. "
+                                f"{run_dir / 'trace.json'})")
     if not resume:
         _refuse_overwrite(cfg)
 
@@ -574,6 +580,8 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
         # the load's errors are agreed by every rank (writer.all_ranks), reported once
         resumed = startup_check(comm, lambda: _resume(resume, cfg, topo, engine, dp, loader))
     first = 1 if resumed is None else resumed.step + 1
+    if memory is not None:
+        memory.step = first - 1  # its records at the training steps, resumed or not
     if resumed is not None and not reset_schedule:
         sched = resumed.schedule
 
@@ -581,7 +589,8 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
     if comm.Get_rank() == 0:
         kept = keep_earlier(t.run_dir) if resumed is None else []
         writer = MetricsWriter(t.run_dir, resume_after=None if resumed is None
-                               else resumed.step)
+                               else resumed.step,
+                               evaluates_again=resumed is not None and resumed.step >= t.steps)
         if kept and not quiet:
             writer.say(f"{t.run_dir} held an earlier run's records: kept as "
                        f"{' and '.join(p.name for p in kept)}")
@@ -619,7 +628,13 @@ def _run(cfg: Config, comm: Any, topo: Topology, tracer: trace.Tracer, memory, *
         loop.stop_at_start(stop)
         steps = range(0)
     for step in steps:
-        record = loop.step(step)
+        try:
+            record = loop.step(step)
+        except DivergenceError:  # every rank at once (the guard's verdict is collective):
+            if trace_path is not None:  # the steps that led to it are the ones to see
+                _write_trace(cfg, comm, topo, loop.tracer, trace_path,
+                             None if quiet else writer)
+            raise
         if val is not None and (step % t.eval_interval == 0 or step == t.steps):
             loop.evaluate(step, val, record)
         loop.report(record)

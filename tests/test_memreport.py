@@ -94,6 +94,22 @@ def test_two_microbatches_hold_one_microbatchs_caches_at_a_time(tmp_path, tokens
         f"traced {traced} ({100 * (p.total / traced - 1):+.1f}%)"
 
 
+def test_a_resumed_run_reports_memory_at_its_training_steps(tmp_path, tokens_h5):
+    # the report counted steps from 0 in each process: a run resumed at step 3 reported
+    # at step 5 only (its "second step"), not at 4 (log_interval) or 6 (the last)
+    raw = {"model": MODEL, "train": {"batch_size": 1, "steps": 6, "warmup_steps": 1,
+                                     "eval_interval": 0, "log_interval": 4,
+                                     "memory_report": True, "save_interval": 3,
+                                     "run_dir": str(tmp_path)},
+           "data": {"path": str(tokens_h5)}}
+    cfg = config.from_dict(raw, source="test_memreport").validate(1)
+    train(cfg, MPI.COMM_SELF, quiet=True)
+    train(cfg, MPI.COMM_SELF, quiet=True, resume=str(tmp_path / "checkpoints" / "step-000003"))
+    reported = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")
+                if "memory_per_rank" in r]
+    assert reported == [2, 4, 5, 6]  # 2 and 5: each process's second step
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_a_stored_block_cache_is_two_bytes_an_element_and_expands_to_four(name):
     """What the planner counts for a reduced-precision block: its cache kept in 16 bits

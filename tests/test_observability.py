@@ -284,6 +284,30 @@ def test_plot_writes_loss_and_schedule_pngs_of_a_traced_run(tmp_path):
     assert all(set(r["time_s"]) == set(trace.CATEGORIES) for r in records if "loss" in r)
 
 
+def test_the_spans_of_each_row_of_a_data_parallel_trace_nest(tmp_path):
+    # the buckets' spans, seen complete from the main thread, went on its row and
+    # overlapped its backward and dp_wait spans, which trace viewers draw only nested
+    cfg = tiny_corpus_config(tmp_path, TINY, "the quality of mercy is not strained", 300)
+    run = tmp_path / "run"
+    done = run_train(2, cfg, run, "--bucket-mb", "0.01", "--trace", str(run / "t.json"),
+                     "--quiet")
+    assert done.returncode == 0, done.stderr
+    events = json.loads((run / "t.json").read_text())["traceEvents"]
+    rows: dict = {}
+    for e in events:
+        if e["ph"] == "X":
+            rows.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert any(e["ph"] == "X" and e["name"].startswith("bucket") for e in events)
+    for row, spans in rows.items():
+        open_ends: list = []
+        for start, end in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start + 1e-3:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1] + 1e-3, \
+                f"row {row}: a span [{start}, {end}] crosses the end of its parent"
+            open_ends.append(end)
+
+
 def test_plot_errors_name_the_value(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["plot", str(tmp_path)])

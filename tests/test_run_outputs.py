@@ -164,6 +164,40 @@ def test_a_recomputation_the_built_model_cannot_take_is_one_line_on_every_rank(c
     assert result.stderr.count("error") == 1
 
 
+def test_a_resume_with_no_step_left_keeps_one_record_of_its_evaluation(config_file,
+                                                                       tmp_path):
+    # each rerun of a finished run evaluated its checkpoint and appended the record again
+    cfg = tmp_path / "eval.toml"
+    cfg.write_text(config_file.read_text().replace("eval_interval = 0", "eval_interval = 2"))
+    run = tmp_path / "run"
+    for flags in ((), ("--resume", "auto"), ("--resume", "auto")):
+        result = run_train(1, cfg, run, "--steps", "2", *flags)
+        assert result.returncode == 0, result.stderr
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 2], records
+    assert "val_loss" in records[-1] and "loss" not in records[-1]
+
+
+def test_the_trace_never_replaces_the_runs_own_records(config_file, tmp_path):
+    run = tmp_path / "run"
+    result = run_train(1, config_file, run, "--steps", "1", "--trace",
+                       str(run / "metrics.jsonl"))
+    assert result.returncode == 2 and "is the run's own metrics.jsonl" in result.stderr, \
+        result.stderr
+
+
+def test_a_run_that_diverges_still_writes_its_trace(config_file, tmp_path):
+    # the trace was written only at a normal end: the steps that diverged were lost
+    import json
+
+    run = tmp_path / "run"
+    result = run_train(1, config_file, run, "--lr", "1e6", "--steps", "12",
+                       "--trace", str(tmp_path / "t.json"))
+    assert result.returncode == 4, result.stderr
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "step" for e in events)
+
+
 def test_a_fresh_run_of_no_steps_evaluates_and_says_so(config_file, tmp_path):
     cfg = tmp_path / "eval.toml"
     cfg.write_text(config_file.read_text().replace("eval_interval = 0", "eval_interval = 2"))

@@ -309,7 +309,8 @@ class GradBuckets:
         """A span per bucket in flight, from its launch to now (seen complete)."""
         now = time.perf_counter()
         for index, start in self._launched:
-            trace.active().add(f"bucket {index}", "dp_comm", start, now, bucket=index)
+            trace.active().add(f"bucket {index}", "dp_comm", start, now, bucket=index,
+                               track="dp buckets")  # beside the backward, not in it
         self._launched = []
 
     def test(self) -> bool:
