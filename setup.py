@@ -1,4 +1,5 @@
-"""Install hpctrain: `pip install -e .[test,mpich]` (see the Makefile's `install`)."""
+"""Install hpctrain: `pip install -e .[test,mpich,plot,fused]`, as the Makefile's `install`
+does (`plot`: matplotlib for `hpctrain plot`; `fused`: numba's element-wise kernels)."""
 
 from setuptools import find_packages, setup
 

@@ -94,7 +94,7 @@ def _int_list(value: str, name: str) -> list[int]:
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="TOML file with [model], [parallel], [train] and [data] sections.")
-@click.option("--dp", type=int, help="Data-parallel size (default: ranks // (tp * pp)).")
+@click.option("--dp", type=int, help="Data-parallel size (default: ranks // (tp * sp * pp)).")
 @click.option("--tp", type=int, help="Tensor-parallel size.")
 @click.option("--sp", type=int,
               help="Spatial-parallel size: each sample split in slabs over this many ranks "

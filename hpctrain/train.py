@@ -449,7 +449,9 @@ def _announce(writer, cfg: Config, comm, topo: Topology, nodes, threads: int, en
             writer.say(f"warning: {name} {new} where the checkpoint's run had {old} "
                        f"(averaging {cfg.parallel.averaging!r}): the new value applies "
                        f"from step {resumed.step + 1}")
-        ends = sched.get("total_steps", cfg.train.steps)
+        # where the rate is min_lr for good: past total_steps, but never inside the
+        # warm-up, which a schedule of fewer steps than warmup_steps still runs to its end
+        ends = max(sched.get("total_steps", cfg.train.steps), sched.get("warmup_steps", 0))
         if cfg.train.steps > max(ends, resumed.step) and sched["min_lr"] != sched["lr"]:
             writer.say(f"warning: the schedule ends at step {ends} and the run goes on to "
                        f"step {cfg.train.steps}: steps {max(ends, resumed.step) + 1}-"

@@ -178,6 +178,20 @@ def test_a_resume_with_no_step_left_keeps_one_record_of_its_evaluation(config_fi
     assert "val_loss" in records[-1] and "loss" not in records[-1]
 
 
+def test_a_resume_inside_the_warm_up_says_nothing_of_min_lr(config_file, tmp_path):
+    # a schedule of 3 steps with a warm-up of 30 still warms up at steps 4-5 (lr_at):
+    # the warning said they train at min_lr
+    cfg = tmp_path / "warm.toml"
+    cfg.write_text(config_file.read_text().replace("warmup_steps = 1", "warmup_steps = 30"))
+    run = tmp_path / "run"
+    assert run_train(1, cfg, run, "--steps", "3", "--save-interval", "3").returncode == 0
+    result = run_train(1, cfg, run, "--steps", "5", "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "train at min_lr" not in result.stdout, result.stdout
+    lrs = [r["lr"] for r in read_metrics(run / "metrics.jsonl")]
+    assert lrs == sorted(lrs) and lrs[-1] < 3e-3  # still rising to lr
+
+
 def test_the_trace_never_replaces_the_runs_own_records(config_file, tmp_path):
     run = tmp_path / "run"
     result = run_train(1, config_file, run, "--steps", "1", "--trace",
