@@ -27,10 +27,11 @@ def _pyplot():
 
 
 def plot_losses(records: list[dict[str, Any]], out_path: str | Path,
-                title: str | None = None) -> Path:
+                title: str | None = None, tokens: bool = True) -> Path:
     """Training loss (raw and smoothed) and validation loss against the step; below
-    it the throughput, if the records carry it. A value that is not a number is a
-    ValueError naming its record and field."""
+    it the throughput, if the records carry it (``tokens``: a model of token sequences,
+    whose loss and throughput are per token; else per sample). A value that is not a
+    number is a ValueError naming its record and field."""
     for i, r in enumerate(records, 1):
         for key in ("step", "loss", "val_loss", "tokens_per_s"):
             value = r.get(key, 0)
@@ -56,14 +57,14 @@ def plot_losses(records: list[dict[str, Any]], out_path: str | Path,
         ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train, mean of {w}")
     if val:
         ax.plot(*zip(*val, strict=True), "o-", color="tab:orange", ms=4, label="validation")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set_ylabel("loss (nats per token)" if tokens else "loss")
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title or "loss")
     if speed:
         ax2 = axes[1][0]
         ax2.plot(*zip(*speed, strict=True), lw=0.8, color="tab:green")
-        ax2.set_ylabel("tokens / s")
+        ax2.set_ylabel("tokens / s" if tokens else "samples / s")
         ax2.grid(alpha=0.3)
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()

@@ -16,8 +16,9 @@ import click
 @click.option("--out", type=click.Path(file_okay=False),
               help="Folder for the PNG files (default: the run folder, or the trace's).")
 def plot(run: str | None, trace_path: str | None, step: int | None, out: str | None) -> None:
-    """Write RUN/loss.png from RUN/metrics.jsonl (RUN: a run folder or the file), and
-    with --trace, pipeline.png: every rank's forward and backward boxes of one step.
+    """Write RUN/loss.png from RUN/metrics.jsonl (RUN: a run folder or the file; an
+    earlier run's metrics.K.jsonl gives loss.K.png), and with --trace, pipeline.png:
+    every rank's forward and backward boxes of one step.
 
     \b
     Examples:
@@ -42,8 +43,13 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
         if not records:
             raise click.BadParameter(f"{metrics} has no records", param_hint="RUN")
         folder = Path(out) if out else metrics.parent
+        # an earlier run's metrics.K.jsonl (train keeps them so) plots to loss.K.png, with
+        # its config.K.json: the current run's loss.png is not replaced
+        kept = metrics.name.removeprefix("metrics.").removesuffix("jsonl")
+        tokens = _counts_tokens(metrics.parent / f"config.{kept}json")
         try:
-            click.echo(plots.plot_losses(records, folder / "loss.png", title=str(metrics.parent)))
+            click.echo(plots.plot_losses(records, folder / f"loss.{kept}png",
+                                         title=str(metrics.parent), tokens=tokens))
         except (ValueError, RuntimeError) as err:
             raise click.ClickException(f"{metrics}: {err}") from None
     if trace_path is not None:
@@ -58,3 +64,17 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
             click.echo(plots.plot_pipeline(trace, folder / "pipeline.png", step=step))
         except (ValueError, RuntimeError) as err:
             raise click.ClickException(f"{trace_path}: {err}") from None
+
+
+def _counts_tokens(config_path: Path) -> bool:
+    """Whether the run's model reads token sequences (its throughput and loss are per
+    token), from the run's config.json; True when there is none to read."""
+    try:
+        kind = json.loads(config_path.read_text(encoding="utf-8"))["model"].get("kind", "gpt")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
+    from hpctrain.data.format import TOKENS
+    from hpctrain.models.registry import MODELS
+
+    cls = MODELS.get(kind)
+    return cls is None or cls.data_format == TOKENS

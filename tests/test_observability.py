@@ -308,6 +308,27 @@ def test_the_spans_of_each_row_of_a_data_parallel_trace_nest(tmp_path):
             open_ends.append(end)
 
 
+def test_plot_of_an_earlier_runs_records_keeps_the_current_plot(tmp_path):
+    # plot RUN/metrics.1.jsonl wrote RUN/loss.png over the current run's plot, and every
+    # plot said tokens, whatever the model
+    from hpctrain.plot_cli import _counts_tokens
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = "".join(json.dumps({"step": s, "loss": 2.0 / s, "tokens_per_s": 100.0}) + "\n"
+                      for s in range(1, 5))
+    (run / "metrics.jsonl").write_text(records)
+    (run / "metrics.1.jsonl").write_text(records)
+    (run / "config.1.json").write_text(json.dumps({"model": {"kind": "mlp"}}))
+    assert CliRunner().invoke(main, ["plot", str(run)]).exit_code == 0
+    before = (run / "loss.png").read_bytes()
+    result = CliRunner().invoke(main, ["plot", str(run / "metrics.1.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert (run / "loss.1.png").is_file() and (run / "loss.png").read_bytes() == before
+    assert not _counts_tokens(run / "config.1.json")  # samples / s, not tokens
+    assert _counts_tokens(run / "config.json")  # none: a token model, as before
+
+
 def test_plot_errors_name_the_value(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["plot", str(tmp_path)])
