@@ -233,7 +233,13 @@ class ZeroDataParallel:
                 "optim_bytes": state_nbytes(self.optimizer)}
 
     def metrics(self) -> dict[str, float]:
-        return {**self.grads.take_times(), "zero_gather_s": self.gather_s}
+        """The bucket timings, the parameters' gather, and ``dp_bytes``: what this rank
+        sent for the step's reduce-scatter and all-gather by the ring model, together
+        what one all-reduce of the (padded) gradients sends (``data.DataParallel``'s)."""
+        from hpctrain.parallel.averaging import ring_bytes
+
+        return {**self.grads.take_times(), "zero_gather_s": self.gather_s,
+                "dp_bytes": ring_bytes(self.grads.nbytes(), self.dp_size)}
 
 
 def shard_grad_norm(pieces: list, world_comm: Any) -> float:

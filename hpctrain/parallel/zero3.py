@@ -540,9 +540,16 @@ class Zero3DataParallel:
         return sum(u.padded for u in self.units)
 
     def metrics(self) -> dict[str, float]:
+        """Waits, the gathered peak, and ``dp_bytes``: what this rank sent for the
+        step's gathers (forward, and again for backward when resharding) and the
+        gradients' reduce-scatter, by the ring model: (dp - 1) / dp of the padded
+        units' bytes each."""
+        units = sum(u.padded * np.dtype(u.dtype).itemsize for u in self.units)
+        passes = 3 if self.reshard_after_forward else 2
         out = {"zero3_gather_wait_s": self.gather_s,
                "zero3_gathered_peak_bytes": self.peak_gathered,
-               "dp_wait_s": getattr(self, "wait_s", 0.0)}
+               "dp_wait_s": getattr(self, "wait_s", 0.0),
+               "dp_bytes": passes * units * (self.dp_size - 1) / self.dp_size}
         self.peak_gathered = 0
         return out
 

@@ -266,3 +266,21 @@ def test_zero_3_builds_a_piece_at_a_time_with_the_serial_weights(pair):
                 f"{hasattr(engine, 'zero3_units')}; units not bitwise serial: {bad}")
         topo.free()
     assert_all(WORLD, verdict, f"ZeRO-3 build a piece at a time: {note}")
+
+
+def test_dp_bytes_are_recorded_at_every_zero_stage(batches):
+    """ZeRO 1-2 send what one all-reduce of the gradients sends (a reduce-scatter and an
+    all-gather), ZeRO 3 half as much again (the parameters gathered for the forward and
+    for the backward): the records of ZeRO had no dp_bytes."""
+    if SIZE < 2:
+        pytest.skip("needs a data group")
+    sent = {}
+    for zero in (0, 1, 3):
+        run = Run(config(dp=SIZE, zero=zero), WORLD)
+        run.steps(batches, 1)
+        sent[zero] = run.dp.metrics()["dp_bytes"]
+        run.topo.free()
+    assert_all(WORLD, sent[0] > 0, f"dp_bytes {sent}")
+    # each stage pads its buckets or units to a multiple of dp: within a few percent
+    assert_close_all(WORLD, sent[1], sent[0], rtol=0.05, what="ZeRO 1's dp_bytes")
+    assert_close_all(WORLD, sent[3], 1.5 * sent[0], rtol=0.05, what="ZeRO 3's dp_bytes")
