@@ -58,6 +58,7 @@ def text_files(specs: list[str]) -> list[Path]:
     if not specs:
         raise DataError(f"no text given: name files, globs or a corpus ({', '.join(CORPORA)})")
     out: list[Path] = []
+    seen: set[Path] = set()  # each file's resolved path: a file named twice is read once
     for spec in specs:
         p = Path(spec)
         if p.is_file():
@@ -74,12 +75,11 @@ def text_files(specs: list[str]) -> list[Path]:
         else:
             raise DataError(f"{spec}: no such file, glob or corpus "
                             f"(corpora: {', '.join(CORPORA)})")
-        # a file named twice (another spelling, a link) is read once
-        seen = {f.resolve() for f in out}
         for f in found:
-            if f.resolve() not in seen:
+            real = f.resolve()
+            if real not in seen:
                 out.append(f)
-                seen.add(f.resolve())
+                seen.add(real)
     return out
 
 

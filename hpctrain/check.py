@@ -120,7 +120,8 @@ def prepare(cfg: Config, steps: int, dtype: str) -> tuple[Config, Config, list[s
                      parallel=replace(par, grad_comm_dtype="fp32"))
     serial = replace(layout, parallel=replace(
         par, dp=1, tp=1, sp=1, pp=1, microbatches=1, virtual_stages=1, schedule="1f1b",
-        sequence_parallel=False, zero=0, batch_threads=1, dp_reduce="flat",
+        sequence_parallel=False, zero=0, reshard_after_forward=True, batch_threads=1,
+        dp_reduce="flat",
         grad_comm_dtype="fp32", shares="equal", batch_shares=(), table_group=0,
         table_default="replicated", table_sharding=()),
         train=replace(train, recompute="none", recompute_pieces=()))

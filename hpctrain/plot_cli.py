@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
@@ -45,7 +46,8 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
         folder = Path(out) if out else metrics.parent
         # an earlier run's metrics.K.jsonl (train keeps them so) plots to loss.K.png, with
         # its config.K.json: the current run's loss.png is not replaced
-        kept = metrics.name.removeprefix("metrics.").removesuffix("jsonl")
+        match = re.fullmatch(r"metrics\.(\d+\.)jsonl", metrics.name)
+        kept = match.group(1) if match else ""
         tokens = _counts_tokens(metrics.parent / f"config.{kept}json")
         try:
             click.echo(plots.plot_losses(records, folder / f"loss.{kept}png",

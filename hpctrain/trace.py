@@ -127,6 +127,7 @@ class Tracer:
         self._main = threading.get_ident()
         self._tids = {self._main: 0}
         self._thread_names = {0: "main"}
+        self._rows_lock = threading.Lock()
         self._stack: list[float] = []  # main thread: child seconds of each open span
         self._open_spans: list[_Span] = []  # main thread: the open spans, outermost first
         self._closed: tuple[int | None, float] | None = None
@@ -188,19 +189,21 @@ class Tracer:
 
     def _track(self, name: str) -> int:
         """The tid of a named row that is no thread (``add``'s ``track``)."""
-        tid = self._tids.get(("track", name))
-        if tid is None:
-            tid = self._tids[("track", name)] = len(self._tids)
-            self._thread_names[tid] = name
-        return tid
+        return self._row(("track", name), name)
 
     def _tid(self) -> int:
         ident = threading.get_ident()
         tid = self._tids.get(ident)
-        if tid is None:
-            tid = self._tids[ident] = len(self._tids)
-            self._thread_names[tid] = threading.current_thread().name
-        return tid
+        return tid if tid is not None else self._row(ident, threading.current_thread().name)
+
+    def _row(self, key, name: str) -> int:
+        """A new row's tid, under a lock: two threads meeting rows at once get two."""
+        with self._rows_lock:
+            tid = self._tids.get(key)
+            if tid is None:
+                tid = self._tids[key] = len(self._tids)
+                self._thread_names[tid] = name
+            return tid
 
     # ---- Chrome trace -----------------------------------------------------------------
 

@@ -175,8 +175,18 @@ def train_step(engine, dp, x, y, *, lr: float, grad_clip: float, guard=None,
     return mean_over(dp.dp_comm, loss), norm
 
 
-def mean_over(comm, value: float) -> float:
-    """Mean of a scalar over ``comm`` (collective)."""
+def mean_over(comm, value: float, terms: float | None = None) -> float:
+    """Mean of a scalar over ``comm`` (collective); with ``terms``, ``value`` is a sum
+    of that many terms on this rank, and the result the mean of every rank's terms
+    (nan when there are none)."""
+    if terms is not None:
+        pair = np.array([value, terms], np.float64)  # terms exact below 2^53
+        if comm.Get_size() > 1:
+            from mpi4py import MPI
+
+            with trace.span("loss_mean", "other", comm="dp_comm"):
+                comm.Allreduce(MPI.IN_PLACE, pair, op=MPI.SUM)
+        return float(pair[0] / pair[1]) if pair[1] else float("nan")
     if comm.Get_size() == 1:
         return float(value)
     with trace.span("loss_mean", "other", comm="dp_comm"):
@@ -201,14 +211,7 @@ def evaluate(cfg: Config, engine, batches, dp_comm) -> tuple[float, dict[str, fl
             kept = sums.setdefault(name, [0, 0])
             kept[0] += total
             kept[1] += count
-    if dp_comm.Get_size() > 1:
-        from mpi4py import MPI
-
-        pair = np.array([loss_sum, terms], np.float64)  # terms exact below 2^53
-        with trace.span("loss_mean", "other", comm="dp_comm"):
-            dp_comm.Allreduce(MPI.IN_PLACE, pair, op=MPI.SUM)
-        loss_sum, terms = float(pair[0]), int(pair[1])
-    val_loss = loss_sum / terms if terms else float("nan")
+    val_loss = mean_over(dp_comm, loss_sum, terms)
     if dp_comm.Get_size() > 1:
         sums = {name: [dp_comm.allreduce(total), dp_comm.allreduce(count)]
                 for name, (total, count) in sorted(sums.items())}

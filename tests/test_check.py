@@ -118,6 +118,20 @@ def test_what_cannot_equal_one_rank_is_refused(config_file, args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_zero_3_layout_without_resharding_is_compared_with_one_rank():
+    # the one-rank reference (zero 0) kept reshard_after_forward false, which only
+    # zero 3 takes: every such config failed before its check began
+    from hpctrain.check import prepare
+    from hpctrain.config import from_dict
+
+    cfg = from_dict({"model": {"n_layer": 2, "d_model": 16, "n_head": 2, "seq_len": 8},
+                     "parallel": {"zero": 3, "reshard_after_forward": False},
+                     "train": {"batch_size": 4}}).validate(2)
+    layout, serial, _ = prepare(cfg, 2, "float64")
+    assert serial.validate(1).parallel.zero == 0
+    assert not layout.parallel.reshard_after_forward
+
+
 def test_batchnorm_models_are_compared_at_one_microbatch():
     # BatchNorm's statistics are per microbatch: at pp 2 and 2 microbatches a correct
     # layout "DIFFERS" from one rank's whole batch (8e-3), which the check refuses instead

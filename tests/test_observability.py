@@ -325,6 +325,10 @@ def test_plot_of_an_earlier_runs_records_keeps_the_current_plot(tmp_path):
     result = CliRunner().invoke(main, ["plot", str(run / "metrics.1.jsonl")])
     assert result.exit_code == 0, result.output
     assert (run / "loss.1.png").is_file() and (run / "loss.png").read_bytes() == before
+    other = tmp_path / "records.jsonl"  # any other name: loss.png beside it
+    other.write_text(records)
+    assert CliRunner().invoke(main, ["plot", str(other)]).exit_code == 0
+    assert (tmp_path / "loss.png").is_file()
     assert not _counts_tokens(run / "config.1.json")  # samples / s, not tokens
     assert _counts_tokens(run / "config.json")  # none: a token model, as before
 

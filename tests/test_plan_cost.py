@@ -153,6 +153,19 @@ def test_data_parallel_bytes_are_the_ring_all_reduce(zero):
     assert e.ranks[0].time["dp"] == pytest.approx(ring_bytes(params, 2))
 
 
+@pytest.mark.parametrize("mb, reshard", [(1, True), (2, True), (2, False)])
+def test_zero_3_gathers_every_unit_for_each_microbatch(mb, reshard):
+    # zero3.py gathers each unit before every microbatch's forward, and again before
+    # its backward when resharding (it was priced as one or two gathers a step); the
+    # gradients are reduce-scattered once
+    cfg = make(world=2, dp=2, zero=3, microbatches=mb, bucket_mb=64.0,
+               reshard_after_forward=reshard)
+    e = cost.estimate(cfg, cluster(latency=0.0, bandwidth=1.0))
+    whole = 4 * sum(mem.rank_param_sizes(cfg.model, 1, 1, 1, "layers", 0))
+    gathers = mb * (2 if reshard else 1)
+    assert e.ranks[0].time["dp"] == pytest.approx(ring_bytes(whole, 2) / 2 * (gathers + 1))
+
+
 def test_no_stream_rate_leaves_element_wise_work_out_and_says_so():
     e = cost.estimate(make(), cluster(stream=False))
     assert e.ranks[0].time["optimizer"] == 0.0

@@ -97,7 +97,7 @@ def test_plan_offers_the_batch_split_exactly_where_validate_accepts_it():
     assert not any("-bt" in layout_name(e.cfg.parallel) for e in eight.ranked)
 
 
-def test_a_zero_3_config_without_resharding_is_planned_at_every_stage():
+def test_a_zero_3_config_without_resharding_is_planned_at_every_stage(tmp_path):
     # the config's reshard_after_forward = false is ZeRO-3's: the other stages take
     # the default (the plan said no layout could run the batch)
     cfg = tiny_config()
@@ -107,6 +107,14 @@ def test_a_zero_3_config_without_resharding_is_planned_at_every_stage():
     assert zeros == {0, 1, 2, 3}
     assert all(e.cfg.parallel.reshard_after_forward == (e.cfg.parallel.zero != 3)
                for e in found.ranked if e.cfg.parallel.dp == 2)
+    # and --explain of a layout at another stage, as the search ranks it
+    files = tmp_path
+    (files / "c.toml").write_text(search.config_toml(cfg))
+    (files / "k.toml").write_text(to_toml(hand_cluster()))
+    got = CliRunner().invoke(plan, ["--config", str(files / "c.toml"), "--cluster",
+                                    str(files / "k.toml"), "--explain",
+                                    "dp2-tp1-pp1-mb1-1f1b-z1"])
+    assert got.exit_code == 0, got.output
 
 
 def test_layout_names_round_trip():

@@ -213,9 +213,12 @@ def _check_volume(c: Contents, model: Any) -> None:
     dims = " x ".join(map(str, c.volume_shape))
     train = "" if c.heldout is None or c.heldout[0] >= c.volume_shape[2] else \
         f", of which Z [0, {c.heldout[0]}) is for training"
+    fix = (f"set [model] crop = {fit}" if all(k <= r for k, r in zip(fit, room, strict=True))
+           else f"no crop of sides divisible by {step} fits: use fewer levels ([model] "
+                f"channels) or a smaller --downsample of the volume")
     raise DataError(f"{c.path}: holds a volume of {dims} voxels{train}; every entry of the "
                     f"model's crop {list(crop)} must be at least 1 and fit in "
-                    f"{' x '.join(map(str, room))}: set [model] crop = {fit}")
+                    f"{' x '.join(map(str, room))}: {fix}")
 
 
 def feature_layout(model: Any) -> tuple[list[str], list[tuple[str, int, int]]]:

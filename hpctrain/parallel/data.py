@@ -200,6 +200,11 @@ class GradBuckets:
         """Bytes of the flat buffers currently held."""
         return sum(f.nbytes for f in self.flat.values() if f is not None)
 
+    def layout_nbytes(self) -> int:
+        """Bytes of the flat buffers of the layout, held or released (ZeRO 2 releases
+        them after each step's sums)."""
+        return sum(n * np.dtype(dtype).itemsize for dtype, n in self.sizes.items())
+
     def bucket_view(self, b: Bucket) -> np.ndarray:
         return self.flat[b.dtype][b.start:b.stop]
 

@@ -239,7 +239,7 @@ class ZeroDataParallel:
         from hpctrain.parallel.averaging import ring_bytes
 
         return {**self.grads.take_times(), "zero_gather_s": self.gather_s,
-                "dp_bytes": ring_bytes(self.grads.nbytes(), self.dp_size)}
+                "dp_bytes": ring_bytes(self.grads.layout_nbytes(), self.dp_size)}
 
 
 def shard_grad_norm(pieces: list, world_comm: Any) -> float:

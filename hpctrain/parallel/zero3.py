@@ -297,6 +297,7 @@ class Zero3DataParallel:
         self.optimizer = make_optimizer(named, decay=decay) if named else None
         engine.on_grads_ready = self._grads_ready
         self.gather_s, self.peak_gathered = 0.0, 0
+        self._sent = 0.0  # bytes this rank sent since the last metrics() (dp_bytes)
 
     # ---- layout ---------------------------------------------------------------------
 
@@ -410,6 +411,7 @@ class Zero3DataParallel:
             return
         u.full = np.empty(u.padded, u.dtype)
         u.gathering = self.dp_comm.Iallgather(u.shard, u.full)
+        self._sent += u.full.nbytes * (self.dp_size - 1) / self.dp_size  # the ring model
         self.progress.add(u.gathering)
         self._note_peak()
 
@@ -467,6 +469,7 @@ class Zero3DataParallel:
             u.grad_shard[...] = u.grad_full
             u.unbind_grads()
             return
+        self._sent += u.grad_full.nbytes * (self.dp_size - 1) / self.dp_size
         if self.reduce_scatter is not None:
             u.reducing = self.progress.post(lambda: self.reduce_scatter(u.grad_full,
                                                                         u.grad_shard))
@@ -540,16 +543,14 @@ class Zero3DataParallel:
         return sum(u.padded for u in self.units)
 
     def metrics(self) -> dict[str, float]:
-        """Waits, the gathered peak, and ``dp_bytes``: what this rank sent for the
-        step's gathers (forward, and again for backward when resharding) and the
-        gradients' reduce-scatter, by the ring model: (dp - 1) / dp of the padded
-        units' bytes each."""
-        units = sum(u.padded * np.dtype(u.dtype).itemsize for u in self.units)
-        passes = 3 if self.reshard_after_forward else 2
+        """Waits, the gathered peak, and ``dp_bytes``: what this rank sent since the
+        last call for every gather it posted (each microbatch's forward, and again its
+        backward when resharding; a tied table's unit for the head too) and every
+        gradient reduce-scatter, by the ring model: (dp - 1) / dp of the unit's bytes."""
         out = {"zero3_gather_wait_s": self.gather_s,
                "zero3_gathered_peak_bytes": self.peak_gathered,
-               "dp_wait_s": getattr(self, "wait_s", 0.0),
-               "dp_bytes": passes * units * (self.dp_size - 1) / self.dp_size}
+               "dp_wait_s": getattr(self, "wait_s", 0.0), "dp_bytes": self._sent}
+        self._sent = 0.0
         self.peak_gathered = 0
         return out
 

@@ -768,8 +768,9 @@ def dp_time(cfg: Config, cluster: Cluster, buckets: list[tuple[float, float]],
     if par.zero == 0:
         return exposed
     gather = cluster.collective_time("all_gather", dp, grad_bytes, inter)
-    if par.zero == 3 and par.reshard_after_forward:  # gathered for forward and backward
-        gather *= 2
+    if par.zero == 3:  # each microbatch gathers for its forward (and again for its
+        # backward when resharding): zero3.py; stages 1-2 gather once, after the update
+        gather *= par.microbatches * (2 if par.reshard_after_forward else 1)
     return exposed + gather
 
 

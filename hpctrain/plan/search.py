@@ -378,6 +378,8 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
             check_emit(Path(emit), force, config_path, cluster_path)
         if explain_layout:
             par = replace(cfg.parallel, **parse_layout(explain_layout))
+            if par.zero != 3:  # the config's resharding is ZeRO-3's (as the search's)
+                par = replace(par, reshard_after_forward=True)
             # the layout's ranks, unless --ranks names others (validate says why not)
             world = ranks if ranks is not None else par.dp * par.tp * par.pp
             check_ranks(cluster, world)
