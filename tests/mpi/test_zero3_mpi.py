@@ -277,7 +277,9 @@ def test_dp_bytes_are_recorded_at_every_zero_stage(batches):
     if SIZE < 2:
         pytest.skip("needs a data group")
     sent = {}
-    for zero, mb in ((0, 1), (1, 1), (2, 1), (3, 1), (3, 2)):
+    # two microbatches where the batch of 8 splits into them (not at 8 ranks)
+    twice = TRAIN.batch_size % (2 * SIZE) == 0
+    for zero, mb in ((0, 1), (1, 1), (2, 1), (3, 1)) + (((3, 2),) if twice else ()):
         run = Run(config(dp=SIZE, zero=zero, microbatches=mb), WORLD)
         run.steps(batches, 1)
         sent[zero, mb] = run.dp.metrics()["dp_bytes"]
@@ -289,7 +291,7 @@ def test_dp_bytes_are_recorded_at_every_zero_stage(batches):
     # each stage pads its buckets or units to a multiple of dp: within a few percent
     for zero in (1, 2):
         assert_close_all(WORLD, sent[zero, 1], base, rtol=0.05, what=f"ZeRO {zero}'s bytes")
-    for mb in (1, 2):  # and the tied table (V C = 512 of the 6,000-odd) again: 0.09 each
+    for mb in (1, 2) if twice else (1,):  # and the tied table (V C = 512 of the 6,000-odd)
         low, high = (2 * mb + 1) / 2 * base, ((2 * mb + 1) / 2 + 0.1 * mb) * base
         assert_all(WORLD, low <= sent[3, mb] <= high,
                    f"ZeRO 3's bytes at {mb} microbatch(es): {sent[3, mb]} ({base} plain)")
