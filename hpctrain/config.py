@@ -13,6 +13,7 @@ the same message, e.g. ``tp (3) must divide n_head (8)``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -748,6 +749,12 @@ def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
         _require(not bad, f"{source}: unknown key(s) {bad} in [{name}]; known: {sorted(known)}")
         parts[name] = cls(**{k: _coerce(name, known[k], v) for k, v in given.items()})
     return Config(**parts)
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: JSON's escapes are TOML's (a name may hold a
+    quote, a backslash or a control character and reads back as written)."""
+    return json.dumps(text)
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:

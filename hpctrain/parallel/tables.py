@@ -66,7 +66,6 @@ FILE`` takes in place of the config's keys, which a planner can write::
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -76,7 +75,7 @@ import numpy as np
 from hpctrain import trace
 from hpctrain.checkpoint.reshard import Sharding
 from hpctrain.checkpoint.state import Held, optimizer_entries, param_sharding
-from hpctrain.config import ConfigError, TableSharding, read_toml
+from hpctrain.config import ConfigError, TableSharding, read_toml, toml_string
 from hpctrain.nn.embedding import check_ids
 from hpctrain.nn.module import Module, SparseParameter, is_sparse
 from hpctrain.optim import clip
@@ -269,8 +268,7 @@ def plan_toml(group: int, default: str, tables: list[TableSharding]) -> str:
     """A plan file's text (``read_plan`` reads it back)."""
     lines = [f"group = {group}", f'default = "{default}"']
     for t in tables:
-        # a TOML basic string: JSON's escapes are TOML's (a name may hold " or \\)
-        lines += ["", "[[tables]]", f"name = {json.dumps(t.name)}",
+        lines += ["", "[[tables]]", f"name = {toml_string(t.name)}",
                   f'sharding = "{t.sharding}"']
         if t.ranks:
             lines.append(f"ranks = [{', '.join(str(r) for r in t.ranks)}]")

@@ -777,6 +777,20 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     click.echo(summary(back, out))
 
 
+def check_new_output(out: Path, option: str, force: bool, inputs: dict[str, str | None]
+                     ) -> None:
+    """Before the work: ``out`` (``option``'s file) is none of ``inputs`` (option ->
+    path; not even with --force), replaces an existing file only with ``force``, and
+    its folder can be made and written into; else a usage error naming the path."""
+    from hpctrain.data.format import same_file
+
+    for name, given in inputs.items():
+        if given and same_file(out, given):
+            raise click.BadParameter(f"{out}: is the {name} file, which {option} never "
+                                     f"replaces (not even with --force)", param_hint=option)
+    check_output(out, option, exist_ok=force)
+
+
 def check_output(out: Path, option: str = "--out", exist_ok: bool = True) -> None:
     """The output's folder can be made and written into (a file is made and removed
     there), or a usage error naming the path and ``option``; with ``exist_ok`` False,

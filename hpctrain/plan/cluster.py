@@ -72,13 +72,12 @@ that is not a positive integer (``true`` is not 1).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config import ConfigError, read_toml
+from hpctrain.config import ConfigError, read_toml, toml_string
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LEVELS = ("intra", "inter")
@@ -477,9 +476,9 @@ def load_cluster(path: str | Path) -> Cluster:
 
 def to_toml(c: Cluster) -> str:
     """The description as TOML, the way ``load_cluster`` reads it back."""
-    lines = [f"name = {_string(c.name)}", f"launcher = {_string(c.launcher)}", ""]
+    lines = [f"name = {toml_string(c.name)}", f"launcher = {toml_string(c.launcher)}", ""]
     for k in c.kinds.values():
-        lines += ["[[kinds]]", f"name = {_string(k.name)}", f"cores = {k.cores}",
+        lines += ["[[kinds]]", f"name = {toml_string(k.name)}", f"cores = {k.cores}",
                   f"memory_gib = {k.memory_bytes / 2**30:.3f}"]
         if k.peak_flops:
             lines += [f"peak_flops = {k.peak_flops:.4e}",
@@ -500,19 +499,13 @@ def to_toml(c: Cluster) -> str:
             lines.append(f"comm_cpu_s_per_byte = {k.comm_cpu_s_per_byte:.4e}")
         lines.append("")
     for kind, count in c.nodes:
-        lines += ["[[nodes]]", f"kind = {_string(kind)}", f"count = {count}", ""]
+        lines += ["[[nodes]]", f"kind = {toml_string(kind)}", f"count = {count}", ""]
     for level in LEVELS:
         lines.append(f"[links.{level}]")
         for op in OPS:
             lines.append(f"{op} = {_link_toml(c.links[level][op])}")
         lines.append("")
     return "\n".join(lines)
-
-
-def _string(text: str) -> str:
-    """A TOML basic string: JSON's escapes are TOML's (a name like "Bob's lab" or one
-    with a double quote reads back as written)."""
-    return json.dumps(text, ensure_ascii=False)
 
 
 def _link_toml(link: Link | Pieces) -> str:

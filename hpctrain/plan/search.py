@@ -34,8 +34,8 @@ from pathlib import Path
 import click
 
 from hpctrain import config as config_mod
-from hpctrain.config import Config, ConfigError
-from hpctrain.data.format import atomic_output, same_file
+from hpctrain.config import Config, ConfigError, toml_string
+from hpctrain.data.format import atomic_output
 from hpctrain.plan import cost
 from hpctrain.plan.cluster import Cluster, load_cluster
 
@@ -323,7 +323,7 @@ def config_toml(cfg: Config) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            return toml_string(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
         return repr(v)
@@ -433,16 +433,11 @@ def plan(config_path, cluster_path, ranks, nodes, batch, top, explain_layout, em
 
 
 def check_emit(out: Path, force: bool, config_path: str, cluster_path: str) -> None:
-    """Before the search: --emit's file is neither input (not even with --force),
-    replaces an existing file only with --force, and its folder can be made and
-    written into; else a usage error naming the path."""
-    from hpctrain.plan.calibrate import check_output
+    """Before the search: --emit's file is neither input (``check_new_output``)."""
+    from hpctrain.plan.calibrate import check_new_output
 
-    for option, given in (("--config", config_path), ("--cluster", cluster_path)):
-        if same_file(out, given):
-            raise click.BadParameter(f"{out}: is the {option} file, which --emit never "
-                                     f"replaces (not even with --force)", param_hint="--emit")
-    check_output(out, "--emit", exist_ok=force)
+    check_new_output(out, "--emit", force, {"--config": config_path,
+                                            "--cluster": cluster_path})
 
 
 def slurm_line(chosen: cost.Estimate, cluster: Cluster, config_path: str) -> str:

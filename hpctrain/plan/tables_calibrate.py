@@ -597,20 +597,14 @@ def plan_tables_command(config_path, hashed_rows, batch, optimizer, bag_fill, ra
 
 def _check_plan_output(out: Path, force: bool, check_path: str | None,
                        inputs: dict[str, str]) -> None:
-    """--out is refused with --check (nothing is planned), when it is one of the
-    inputs (even with --force), when it exists (unless --force), or when its folder
-    cannot be made or written into: a usage error naming the path."""
-    from hpctrain.data.format import same_file
-    from hpctrain.plan.calibrate import check_output
+    """--out is refused with --check (nothing is planned), else checked as
+    ``check_new_output`` checks a new file."""
+    from hpctrain.plan.calibrate import check_new_output
 
     if check_path:
         raise click.BadParameter("--check costs a plan file and plans nothing: there is no "
                                  "plan to write", param_hint="--out")
-    for option, given in inputs.items():
-        if given and same_file(out, given):
-            raise click.BadParameter(f"{out}: is the {option} file, which --out never "
-                                     f"replaces (not even with --force)", param_hint="--out")
-    check_output(out, "--out", exist_ok=force)
+    check_new_output(out, "--out", force, inputs)
 
 
 def _optimizer(config_path: str) -> str:
