@@ -184,3 +184,75 @@ def test_the_saved_layout_names_the_spatial_split():
     cfg = Config(model=ModelConfig(kind="cnn", input_dim=64, channels=(2, 3)),
                  parallel=ParallelConfig(sp=2), train=TrainConfig(batch_size=4)).validate(4)
     assert {"world_size": 4, "dp": 2, "sp": 2, "tp": 1}.items() <= layout_of(cfg, 4).items()
+
+
+def test_convert_never_replaces_the_step_folder_that_holds_its_input(checkpoints):
+    """A consolidated file kept inside a step folder, converted back into that folder
+    with --force: the step folder is the one the write replaces, so the input would be
+    deleted with it; refused, the file intact."""
+    inside = consolidate(checkpoints / "step-000004", checkpoints / "step-000004" / "all.h5")
+    before = snapshot(checkpoints)
+    for force in ([], ["--force"]):
+        code, out = ckpt("convert", inside, "-o", checkpoints, *force)
+        assert code == 2 and out.count("\n") == 1, out
+        assert f"error: {inside}: the file being converted is inside " \
+            f"{checkpoints / 'step-000004'}, which writing step-000004/" in out
+        assert "refusing even with --force" in out
+    assert snapshot(checkpoints) == before
+
+
+def test_convert_never_writes_over_the_latest_pointer_and_a_broken_pointer_is_named(
+        checkpoints):
+    pointer = checkpoints / fmt.LATEST_NAME
+    for force in ([], ["--force"]):
+        code, out = ckpt("convert", checkpoints / "step-000002", "-o", pointer, *force)
+        assert code == 2 and out.count("\n") == 1, out
+        assert f"error: {pointer}: is (or would be) the 'latest' pointer" in out
+    assert pointer.read_text().strip() == "step-000004"
+    # a pointer written over by another program: named, no traceback
+    consolidate(checkpoints / "step-000002", checkpoints.parent / "two.h5")
+    shutil.copyfile(checkpoints.parent / "two.h5", pointer)
+    for command in ("inspect", "verify"):
+        code, out = ckpt(command, checkpoints)
+        assert code == 2, out
+        assert f"{pointer}: names no step (" in out and "not a step name" in out, out
+
+
+def test_a_convert_refused_by_a_bad_piece_leaves_no_folder_behind(checkpoints, tmp_path):
+    import h5py
+
+    single = consolidate(checkpoints, tmp_path / "four.h5")
+    with h5py.File(single, "r+") as f:
+        found = []
+        f["data"].visititems(lambda _, obj: found.append(obj)
+                             if isinstance(obj, h5py.Dataset) else None)
+        found[0][...] = found[0][...] + 1  # its checksum no longer matches
+    code, out = ckpt("convert", single, "-o", tmp_path / "new" / "checkpoints")
+    assert code == 2 and "checksum" in out, out
+    assert not (tmp_path / "new").exists()
+    # into an existing folder: its unfinished step-N.tmp/ is removed, the folder kept
+    (tmp_path / "kept").mkdir()
+    code, out = ckpt("convert", single, "-o", tmp_path / "kept")
+    assert code == 2 and list((tmp_path / "kept").iterdir()) == [], out
+
+
+def test_convert_into_a_run_that_is_training_is_refused(checkpoints, tmp_path):
+    """The run folder's lock held (a training run saving there: convert would remove
+    its unfinished step-N.tmp/): refused, naming the lock; once free, written, and the
+    lock left as it was found (none)."""
+    from hpctrain import runlock
+
+    single = consolidate(checkpoints / "step-000002", tmp_path / "two.h5")
+    run = checkpoints.parent
+    (checkpoints / "step-000006.tmp").mkdir()  # the training run's save in progress
+    lock = runlock.acquire(run, "train")
+    try:
+        code, out = ckpt("convert", single, "-o", checkpoints, "--force")
+    finally:
+        lock.release()
+    assert code == 2 and f"error: {run} is in use by another run (pid " in out, out
+    assert "hpctrain train since" in out and "or name another -o folder" in out, out
+    assert (checkpoints / "step-000006.tmp").is_dir()
+    code, out = ckpt("convert", single, "-o", checkpoints, "--force")
+    assert code == 0, out
+    assert not runlock.lock_path(run).exists()

@@ -24,6 +24,7 @@ save in training.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,11 @@ def check_file_output(ckpt: Checkpoint, dst: Path, force: bool) -> None:
         raise CheckpointError(f"{dst}: is a file of the checkpoint being converted "
                               f"({ckpt.index.path}); refusing to write over it even with "
                               f"--force: name another output")
+    if dst.name == LATEST_NAME and (dst.is_file() or any(dst.parent.glob("step-*"))):
+        raise CheckpointError(f"{dst}: is (or would be) the '{LATEST_NAME}' pointer of a "
+                              f"checkpoints folder, which names its newest step; refusing "
+                              f"to write a checkpoint there even with --force: name "
+                              f"another file")
     if dst.is_dir() and not force:
         raise CheckpointError(f"{dst}: already exists (a folder); pass --force to replace "
                               f"it")
@@ -101,9 +107,19 @@ def check_folder_output(root: Path, step: int, source: Path, force: bool) -> Non
         raise CheckpointError(f"{root}: exists and is not a folder; a consolidated file "
                               f"converts to a checkpoints folder ({step_dirname(step)}/ and "
                               f"{LATEST_NAME}): name a new folder, or one of checkpoints")
+    final, pointer = root / step_dirname(step), root / LATEST_NAME
+    if root.is_dir():  # what the write removes: step-N/ (with --force), unfinished saves
+        inside = source.resolve()
+        for doomed in (final, *(p for p in root.glob("step-*.tmp") if p.is_dir())):
+            if inside.is_relative_to(doomed.resolve()):
+                raise CheckpointError(
+                    f"{source}: the file being converted is inside {doomed}, which "
+                    f"writing {final.name}/ into {root} would "
+                    + ("replace" if doomed == final else "remove (an unfinished save)")
+                    + "; refusing even with --force: copy the file elsewhere first, "
+                    "or name another folder")
     if force or not root.is_dir() or not any(root.iterdir()):
         return
-    final, pointer = root / step_dirname(step), root / LATEST_NAME
     if not pointer.is_file():
         raise CheckpointError(f"{root}: already exists and is not a checkpoints folder (it "
                               f"has no '{LATEST_NAME}' pointer); pass --force to write "
@@ -145,37 +161,48 @@ def expand(src: str | Path, dst: str | Path, *, files: int = 1, force: bool = Fa
     root = Path(dst)
     with Checkpoint(src) as ckpt:
         check_folder_output(root, ckpt.step, ckpt.index.path, force)
+        made = next((p for p in (*reversed(root.absolute().parents), root.absolute())
+                     if not p.exists()), None)  # the first folder the write makes
         tmp = prepare(root, ckpt.step)
-        tensors = list(ckpt.tensors.values())
-        where: list[list[tuple[int, tuple]]] = []  # per tensor: (file, box) of its pieces
-        placed: list[list[tuple[str, int]]] = [[] for _ in range(files)]
-        for k, entry in enumerate(tensors):
-            boxes = row_boxes(entry.global_shape, files)
-            where.append([((k + j) % files, box) for j, box in enumerate(boxes)])
-            for i, box in where[-1]:
-                placed[i].append((np.dtype(entry.dtype).str, box_volume(box)))
-        layouts = [flat_layout(p) for p in placed]
-        offsets = {i: allocate_flat(tmp / data_filename(i), ckpt.step, i, layouts[i][0])
-                   for i in range(files) if placed[i]}
-        fds = {i: os.open(tmp / data_filename(i), os.O_WRONLY) for i in offsets}
         try:
-            entries, next_at = [], [iter(ats) for _, ats in layouts]
-            for entry, spots in zip(tensors, where, strict=True):
-                full = ckpt.read_full(entry.name)
-                pieces = []
-                for i, box in spots:
-                    values = np.ascontiguousarray(full[slices(box)])
-                    at = next(next_at[i])
-                    pwrite_all(fds[i], [values], offsets[i][values.dtype.str]
-                               + at * values.itemsize)
-                    pieces.append(Piece(data_filename(i), flat_name(values.dtype),
-                                        tuple(a for a, _ in box), tuple(b for _, b in box),
-                                        blocksum64(values), at=at))
-                entries.append(TensorEntry(entry.name, entry.dtype, entry.global_shape,
-                                           entry.tp_split, entry.tp_blocks, tuple(pieces)))
-            for fd in fds.values():
-                os.fsync(fd)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return commit(root, tmp, ckpt.step, ckpt.meta, entries, keep=1 << 30)
+            return _expand_into(ckpt, root, tmp, files)
+        except BaseException:  # a bad piece, a full disk, ^C: nothing left behind
+            shutil.rmtree(made or tmp, ignore_errors=True)
+            raise
+
+
+def _expand_into(ckpt: Checkpoint, root: Path, tmp: Path, files: int) -> Path:
+    """``expand``'s write: the pieces into ``tmp`` (``step-N.tmp/``), then the commit."""
+    tensors = list(ckpt.tensors.values())
+    where: list[list[tuple[int, tuple]]] = []  # per tensor: (file, box) of its pieces
+    placed: list[list[tuple[str, int]]] = [[] for _ in range(files)]
+    for k, entry in enumerate(tensors):
+        boxes = row_boxes(entry.global_shape, files)
+        where.append([((k + j) % files, box) for j, box in enumerate(boxes)])
+        for i, box in where[-1]:
+            placed[i].append((np.dtype(entry.dtype).str, box_volume(box)))
+    layouts = [flat_layout(p) for p in placed]
+    offsets = {i: allocate_flat(tmp / data_filename(i), ckpt.step, i, layouts[i][0])
+               for i in range(files) if placed[i]}
+    fds = {i: os.open(tmp / data_filename(i), os.O_WRONLY) for i in offsets}
+    try:
+        entries, next_at = [], [iter(ats) for _, ats in layouts]
+        for entry, spots in zip(tensors, where, strict=True):
+            full = ckpt.read_full(entry.name)
+            pieces = []
+            for i, box in spots:
+                values = np.ascontiguousarray(full[slices(box)])
+                at = next(next_at[i])
+                pwrite_all(fds[i], [values], offsets[i][values.dtype.str]
+                           + at * values.itemsize)
+                pieces.append(Piece(data_filename(i), flat_name(values.dtype),
+                                    tuple(a for a, _ in box), tuple(b for _, b in box),
+                                    blocksum64(values), at=at))
+            entries.append(TensorEntry(entry.name, entry.dtype, entry.global_shape,
+                                       entry.tp_split, entry.tp_blocks, tuple(pieces)))
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return commit(root, tmp, ckpt.step, ckpt.meta, entries, keep=1 << 30)

@@ -575,9 +575,11 @@ def resolve(path: str | Path) -> Path:
 
 
 def latest_name(folder: Path) -> str | None:
-    """The name ``folder/latest`` holds, unchecked, or None if there is no pointer."""
+    """The name ``folder/latest`` holds, unchecked (bytes that are no text replaced:
+    a pointer overwritten by another file reads as no step), or None if there is no
+    pointer."""
     pointer = folder / LATEST_NAME
-    return pointer.read_text().strip() if pointer.is_file() else None
+    return pointer.read_text(errors="replace").strip() if pointer.is_file() else None
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -588,6 +590,9 @@ def latest_checkpoint(folder: Path) -> Path | None:
         return None
     target = folder / name
     if step_of(Path(name)) is None or not (target / INDEX_NAME).is_file():
-        raise CheckpointError(f"{pointer}: names {name!r}, which is not a complete checkpoint "
+        shown = (repr(name) if name.isprintable() and len(name) <= 64
+                 else f"no step ({pointer.stat().st_size} bytes that are not a step name: "
+                      f"another file written over the pointer?)")
+        raise CheckpointError(f"{pointer}: names {shown}, which is not a complete checkpoint "
                               f"in {folder}")
     return target
