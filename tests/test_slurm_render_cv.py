@@ -125,3 +125,44 @@ def test_train_stays_the_default_with_its_layout(tmp_path):
     assert default(result.output, "COMMAND") == "train"
     assert default(result.output, "TRAIN_ARGS") == "--dp 2 --tp 1 --pp 1"
     assert "#SBATCH --job-name=hpctrain-train " in result.output
+
+
+def test_render_never_writes_over_its_config_or_template_and_asks_before_replacing(
+        tmp_path, dlrm):
+    """-o the --config (or the --template): refused even with --force, both intact; an
+    existing script is replaced only with --force."""
+    config = dlrm.read_text()
+    template = tmp_path / "job.tmpl"
+    template.write_text((Path(__file__).parents[1] / "jobscripts" / "train.sbatch").read_text())
+    for force in ([], ["--force"]):
+        result = render("--ranks-per-node", "2", "--config", str(dlrm), "-o", str(dlrm),
+                        *force)
+        assert result.exit_code == 2 and f"{dlrm}: is the --config file, which '-o' / " \
+            "'--output' never replaces (not even with --force)" in result.output, result.output
+        result = render("--ranks-per-node", "2", "--config", str(dlrm), "--template",
+                        str(template), "-o", str(template), *force)
+        assert result.exit_code == 2 and "is the --template file" in result.output, \
+            result.output
+    assert dlrm.read_text() == config
+    out = tmp_path / "cv.sbatch"
+    out.write_text("an older script\n")
+    result = render("--ranks-per-node", "2", "--config", str(dlrm), "-o", str(out))
+    assert result.exit_code == 2 and "already exists; pass --force" in result.output
+    assert out.read_text() == "an older script\n"
+    result = render("--ranks-per-node", "2", "--config", str(dlrm), "-o", str(out), "--force")
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith("#!") and out.stat().st_mode & 0o111
+
+
+def test_render_names_a_template_or_dataset_that_is_no_text_or_not_ratings(tmp_path, dlrm,
+                                                                          tokens_h5):
+    result = render("--ranks-per-node", "2", "--config", str(dlrm), "--template",
+                    str(tokens_h5))
+    assert result.exit_code == 2 and "is not a text file" in result.output, result.output
+    assert "Traceback" not in result.output
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(re.sub(r'path = ".*?"', f'path = "{tokens_h5}"', dlrm.read_text()))
+    result = render("--ranks-per-node", "2", "--config", str(wrong), "--train-args",
+                    "--folds 3")
+    assert result.exit_code == 2 and "not hpctrain.ratings" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

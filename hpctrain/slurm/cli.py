@@ -59,9 +59,11 @@ def slurm() -> None:
 @click.option("--template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=TEMPLATES / "train.sbatch", show_default=True, help="Template to fill.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the script here [default: standard output].")
-def render_cmd(template, output, command, config_path, job_name, time_limit, hpctrain_cmd,
-               **options) -> None:
+              help="Write the script here [default: standard output]; never the --config "
+                   "or --template file.")
+@click.option("--force", is_flag=True, help="Let -o replace an existing file.")
+def render_cmd(template, output, force, command, config_path, job_name, time_limit,
+               hpctrain_cmd, **options) -> None:
     """Fill the training template for a layout, refusing one that does not fit.
 
     \b
@@ -74,21 +76,29 @@ def render_cmd(template, output, command, config_path, job_name, time_limit, hpc
     req = JobRequest(command=command, config=config_path or DEFAULT_CONFIGS[command],
                      job_name=job_name or f"hpctrain-{command}", time=time_limit,
                      hpctrain=hpctrain_cmd, **options)
-    if output is not None and output.exists() and output.samefile(template):
-        raise click.BadParameter(f"{output}: is the --template; write the job elsewhere",
-                                 param_hint="'-o' / '--output'")
+    from hpctrain.data.format import DataError, atomic_output
+    from hpctrain.plan.calibrate import check_new_output
+
+    try:
+        text = template.read_text()
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{template}: is not a text file (a job script template "
+                                 f"with {{placeholders}})", param_hint="'--template'") from None
     try:
         dp = check_fit(req)
         check_config(req, dp)
-        script = render(template.read_text(), req, dp)
-    except ConfigError as err:  # bad input: a usage error, exit 2
+        script = render(text, req, dp)
+    except (ConfigError, DataError) as err:  # bad input: a usage error, exit 2
         raise click.UsageError(str(err)) from None
     if output is None:
         click.echo(script, nl=False)
     else:
+        check_new_output(output, "'-o' / '--output'", force,
+                         {"--template": str(template), "--config": req.config})
         try:
-            output.write_text(script)
-            output.chmod(0o755)
+            with atomic_output(output, force=True) as tmp:
+                tmp.write_text(script)
+                tmp.chmod(0o755)
         except OSError as err:
             raise click.BadParameter(f"cannot write {output}: {err.strerror or err}",
                                      param_hint="'-o' / '--output'") from None
