@@ -54,11 +54,14 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
                                          title=str(metrics.parent), tokens=tokens))
         except (ValueError, RuntimeError) as err:
             raise click.ClickException(f"{metrics}: {err}") from None
+        except OSError as err:
+            raise _unwritable(folder, err) from None
     if trace_path is not None:
         try:
             trace = json.loads(Path(trace_path).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise click.BadParameter(f"{trace_path} is not JSON: {err}",
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise click.BadParameter(f"{trace_path} is not a JSON trace ('hpctrain train "
+                                     f"--trace' writes one): {err}",
                                      param_hint="--trace") from None
         folder = Path(out) if out else (Path(run) if run and Path(run).is_dir()
                                         else Path(trace_path).parent)
@@ -66,6 +69,14 @@ def plot(run: str | None, trace_path: str | None, step: int | None, out: str | N
             click.echo(plots.plot_pipeline(trace, folder / "pipeline.png", step=step))
         except (ValueError, RuntimeError) as err:
             raise click.ClickException(f"{trace_path}: {err}") from None
+        except OSError as err:
+            raise _unwritable(folder, err) from None
+
+
+def _unwritable(folder: Path, err: OSError) -> click.ClickException:
+    return click.BadParameter(f"{folder}: the PNG cannot be written there "
+                              f"({err.strerror or err}); choose another --out",
+                              param_hint="--out")
 
 
 def _counts_tokens(config_path: Path) -> bool:

@@ -347,6 +347,23 @@ def test_plot_errors_name_the_value(tmp_path):
     bad.write_text(json.dumps(good))
     result = runner.invoke(main, ["plot", "--trace", str(bad), "--step", "7"])
     assert result.exit_code != 0 and "step 7 is not in the trace (steps 1..1)" in result.output
+    # a binary file as the trace, a record without its step, a PNG folder under a file:
+    # each one line naming it, no traceback
+    binary = tmp_path / "data.h5"
+    binary.write_bytes(b"\x89HDF\r\n\x1a\n\xff\xfe" * 8)
+    result = runner.invoke(main, ["plot", "--trace", str(binary)])
+    assert result.exit_code == 2 and f"{binary} is not a JSON trace" in result.output
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"loss": 1.5}\n')
+    result = runner.invoke(main, ["plot", str(metrics)])
+    assert result.exit_code == 1 and "record 2 has a loss but no step" in result.output
+    metrics.write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "file").write_text("")
+    result = runner.invoke(main, ["plot", str(metrics), "--out", str(tmp_path / "file" / "x")])
+    assert result.exit_code == 2 and "the PNG cannot be written there" in result.output
+    for r in (result,):
+        assert r.exception is None or isinstance(r.exception, SystemExit), r.output
 
 
 def test_importing_the_plot_module_does_not_import_matplotlib():
