@@ -218,7 +218,7 @@ class Topology:
     ckpt_comm: Any = None
     watch_comm: Any = None
     spatial: bool = False  # the inner axis splits samples in space (sp), not weights (tp)
-    batch_comm: Any = None  # the data group times the spatial group (dp_comm when sp = 1)
+    batch_comm: Any = None  # the data group times the spatial group (dp_comm's copy at sp 1)
     table_comm: Any = None  # sharded embedding tables: one table group (parallel/tables.py)
     table_replica_comm: Any = None  # the same place in every table group
 
@@ -252,8 +252,12 @@ class Topology:
         dp_leader_comm = dp_comm.Split(color=0 if leader else MPI.UNDEFINED, key=c.dp)
         dp_nodes = group_by_node(dp_comm.allgather(node_id))
         spatial = sp > 1
+        # a communicator of its own even when it is the data group: BatchNorm's blocking
+        # sums run in the backward while the gradient buckets' non-blocking sums, posted
+        # by the bucket thread on dp_comm, are in flight; on one communicator the two
+        # threads' collectives could match the wrong partners
         batch_comm = (comm.Split(color=c.pp, key=c.dp * shape.tp + c.tp) if spatial
-                      else dp_comm)
+                      else dp_comm.Dup())
         table_comm = table_replica_comm = None
         group = _table_group(parallel, shape.dp)
         if group:  # some table is sharded: its group and replicas, within the data group
@@ -331,7 +335,7 @@ class Topology:
         for comm in (self.tp_comm, self.dp_comm, self.pp_comm, self.model_comm,
                      self.node_comm, self.dp_node_comm, self.dp_node_bcast_comm,
                      self.dp_leader_comm, self.ckpt_comm, self.watch_comm,
-                     self.batch_comm if self.spatial else None, self.table_comm,
+                     self.batch_comm, self.table_comm,
                      self.table_replica_comm):
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
