@@ -605,6 +605,14 @@ def _check_recompute(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> Non
     _require(costs is not None, f"recompute ({t.recompute!r}) works on pipeline pieces, "
                                 f"and the {cls.name} declares none: it must be \"none\"")
     _pieces_run(cls, par, "recompute", t.recompute, '"none"')
+    # what the built pieces would refuse (recompute.apply), said before the build
+    _require(not cls.batch_statistics,
+             f"recompute ({t.recompute!r}) runs a piece's forward twice, and the "
+             f"{cls.name}'s pieces keep BatchNorm's running statistics, which the second "
+             f"forward would update again: it must be \"none\"")
+    _require(t.recompute == "full" or cls.has_attention,
+             f"recompute ({t.recompute!r}) recomputes attention, and the {cls.name} has "
+             f"no attention layer: use \"full\" or \"none\"")
     try:
         recompute.select(t.recompute_pieces, len(costs.middle), cls.name)
     except ValueError as err:

@@ -254,3 +254,23 @@ def test_attention_recomputation_cuts_attention_activations_past_3x(d_model, n_h
     assert core1 == 0 and all1 == 4 * b * T * C  # the layer's input only
     assert all0 / all1 == pytest.approx(5 + T / D)
     assert all0 / all1 >= 3
+
+
+@pytest.mark.parametrize("kind, mode, message", [
+    ("cnn", "full", r"the CNN classifier's pieces keep BatchNorm's running statistics"),
+    ("cnn", "selective", r"the CNN classifier's pieces keep BatchNorm's running statistics"),
+    ("mlp", "selective", r"recompute \('selective'\) recomputes attention, and the MLP "
+                         r"classifier has no attention layer: use \"full\" or \"none\""),
+    ("mlp", "attention", r"and the MLP classifier has no attention layer"),
+])
+def test_what_the_built_pieces_would_refuse_is_refused_by_the_config(kind, mode, message):
+    """Before the data is opened and the model built (where recompute.apply refused)."""
+    model = (ModelConfig(kind="cnn", input_dim=64, channels=(2, 3, 4), n_classes=4)
+             if kind == "cnn" else ModelConfig(kind="mlp", input_dim=8, hidden=(8, 8, 8),
+                                               n_classes=4))
+    cfg = Config(model=model, parallel=ParallelConfig(pp=2, microbatches=2),
+                 train=TrainConfig(batch_size=4, recompute=mode))
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate(2)
+    if kind == "mlp":  # "full" it takes
+        assert replace(cfg, train=replace(cfg.train, recompute="full")).validate(2)

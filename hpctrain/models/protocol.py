@@ -185,6 +185,9 @@ class Model(Module):
     # statistics, summed by ``share_batch`` over the ranks sharing it in every forward
     # and backward): the ranks must then run the same number of passes a step
     batch_statistics: bool = False
+    # whether its middle pipeline pieces hold attention layers (what recompute
+    # "selective" and "attention" drop and recompute)
+    has_attention: bool = False
     data_format: str = ""
     config_keys: tuple[str, ...] = ()
 

@@ -258,6 +258,7 @@ class GPT(Model):
 
     builds_by_piece = True
     splits_batch = True  # loss a mean over (B, T); no state but the gradients
+    has_attention = True  # every block (recompute "selective", "attention")
 
     def __init__(self, cfg: ModelConfig, seed: int,
                  on_piece: Callable[[Module], None] = lambda piece: None):
