@@ -31,7 +31,7 @@ An engine exposes what the training loop needs (``LocalEngine`` is the reference
   loss, the same value on every rank of the model replica;
 * ``loss(x, y) -> float``: forward only (evaluation), same on every rank of the replica;
 * ``eval_metrics(x, y) -> {name: (sum, count)}``: the model's figures beyond the loss
-  (``Model.eval_metrics``; none under pipelining);
+  (``Model.eval_metrics``; in a pipeline the last stage's, none with virtual stages);
 * ``grad_norm() -> float``: the global gradient norm of the whole model replica,
   each replicated parameter counted once (collective over the model group);
 * ``metrics() -> dict``: extra per-step figures for ``metrics.jsonl``;

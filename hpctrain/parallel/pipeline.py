@@ -363,8 +363,13 @@ class PipelineEngine:
         return loss
 
     def loss(self, x: np.ndarray, y: np.ndarray) -> float:
-        """Mean loss over x, y (b, T), forward only; the same on every stage."""
+        """Mean loss over x, y (b, T), forward only; the same on every stage. Rows
+        that do not split into the microbatches run as one, where the schedule allows
+        it: the interleaved order needs whole rounds of pp microbatches."""
         m = self.microbatches if len(x) % self.microbatches == 0 else 1
+        if m % self.pp_size and self.virtual_stages > 1:
+            raise ValueError(f"the batch ({len(x)} rows) must split into the microbatches "
+                             f"({self.microbatches}) under the interleaved schedule")
         self.stage.begin(x, y, m)
         forward_only(self.stage, m)
         return self._finish()
