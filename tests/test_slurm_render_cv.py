@@ -137,8 +137,8 @@ def test_render_never_writes_over_its_config_or_template_and_asks_before_replaci
     for force in ([], ["--force"]):
         result = render("--ranks-per-node", "2", "--config", str(dlrm), "-o", str(dlrm),
                         *force)
-        assert result.exit_code == 2 and f"{dlrm}: is the --config file, which '-o' / " \
-            "'--output' never replaces (not even with --force)" in result.output, result.output
+        assert result.exit_code == 2 and f"{dlrm}: is the --config file, which -o never " \
+            "replaces (not even with --force)" in result.output, result.output
         result = render("--ranks-per-node", "2", "--config", str(dlrm), "--template",
                         str(template), "-o", str(template), *force)
         assert result.exit_code == 2 and "is the --template file" in result.output, \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -76,8 +77,7 @@ def render_cmd(template, output, force, command, config_path, job_name, time_lim
     req = JobRequest(command=command, config=config_path or DEFAULT_CONFIGS[command],
                      job_name=job_name or f"hpctrain-{command}", time=time_limit,
                      hpctrain=hpctrain_cmd, **options)
-    from hpctrain.data.format import DataError, atomic_output
-    from hpctrain.plan.calibrate import check_new_output
+    from hpctrain.data.format import DataError, same_file
 
     try:
         text = template.read_text()
@@ -93,13 +93,21 @@ def render_cmd(template, output, force, command, config_path, job_name, time_lim
     if output is None:
         click.echo(script, nl=False)
     else:
-        check_new_output(output, "'-o' / '--output'", force,
-                         {"--template": str(template), "--config": req.config})
-        try:
-            with atomic_output(output, force=True) as tmp:
-                tmp.write_text(script)
-                tmp.chmod(0o755)
+        for name, given in (("--template", template), ("--config", req.config)):
+            if same_file(output, given):
+                raise click.BadParameter(f"{output}: is the {name} file, which -o never "
+                                         f"replaces (not even with --force)",
+                                         param_hint="'-o' / '--output'")
+        if (output.exists() or output.is_symlink()) and not force:
+            raise click.BadParameter(f"{output}: already exists; pass --force to replace it",
+                                     param_hint="'-o' / '--output'")
+        tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+        try:  # whole or not at all: a new file renamed over the old one
+            tmp.write_text(script)
+            tmp.chmod(0o755)
+            os.replace(tmp, output)
         except OSError as err:
+            tmp.unlink(missing_ok=True)
             raise click.BadParameter(f"cannot write {output}: {err.strerror or err}",
                                      param_hint="'-o' / '--output'") from None
         layout = (f"dp={dp} tp={req.tp} pp={req.pp}" if command == "train"
