@@ -28,7 +28,9 @@ the next, more than layouts lie apart, so one pass orders close layouts by when 
 ran; over rounds each layout's time is the median of its rounds' medians, and the
 rounds' range is printed beside it. ``compare`` prints predicted against
 measured per layout, the median and worst step-time error, Spearman's rank
-correlation, and whether the predicted best is the measured best.
+correlation, whether the predicted best is the measured best, and which layout
+``hpctrain plan`` itself chooses among every valid one (the layouts of each run
+include its choices) and where that layout measured.
 ``measure --nodes N`` brings up ``N`` one-core nodes (``hpctrain cluster``: links
 shaped at ``--link``, UCX over TCP on them), runs ``ON_NODES[N]`` one rank a node (one
 BLAS thread; serial on the first node alone) and removes the cluster; ``load.json``
@@ -81,6 +83,15 @@ LAYOUTS = {
     "pp2-mb4-1f1b": (2, {"pp": 2, "microbatches": 4, "schedule": "1f1b"}),
     "dp2-z1": (2, {"dp": 2, "zero": 1}),
     "dp2-z2": (2, {"dp": 2, "zero": 2}),
+    # the planner's own leaders on 2 nodes (pipelines of 8 microbatches, interleaved),
+    # and the stages it prices last
+    "pp2-mb8-1f1b": (2, {"pp": 2, "microbatches": 8, "schedule": "1f1b"}),
+    "pp2-mb8-int-v3": (2, {"pp": 2, "microbatches": 8, "schedule": "interleaved",
+                           "virtual_stages": 3}),
+    "pp2-mb4-int-v3": (2, {"pp": 2, "microbatches": 4, "schedule": "interleaved",
+                           "virtual_stages": 3}),
+    "dp2-mb2": (2, {"dp": 2, "microbatches": 2}),
+    "dp2-z3": (2, {"dp": 2, "zero": 3}),
     # four ranks (the emulated cluster's 4 nodes)
     "dp4": (4, {"dp": 4}),
     "dp4-z1": (4, {"dp": 4, "zero": 1}),
@@ -92,6 +103,21 @@ LAYOUTS = {
     "tp2-dp2": (4, {"tp": 2, "dp": 2}),
     "tp2-dp2-sp": (4, {"tp": 2, "dp": 2, "sequence_parallel": True}),
     "tp2-pp2-mb4-1f1b": (4, {"tp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b"}),
+    # the planner's leaders on 4 nodes (data-parallel interleaved pipelines), and
+    # layouts across the rest of its order, to its slowest
+    "dp2-pp2-mb4-int-v3": (4, {"dp": 2, "pp": 2, "microbatches": 4,
+                               "schedule": "interleaved", "virtual_stages": 3}),
+    "dp2-pp2-mb2-int-v3": (4, {"dp": 2, "pp": 2, "microbatches": 2,
+                               "schedule": "interleaved", "virtual_stages": 3}),
+    "dp2-pp2-mb4-1f1b": (4, {"dp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b"}),
+    "dp4-mb2": (4, {"dp": 4, "microbatches": 2}),
+    "tp2-dp2-mb2": (4, {"tp": 2, "dp": 2, "microbatches": 2}),
+    "tp2-pp2-mb8-int-v3-sp": (4, {"tp": 2, "pp": 2, "microbatches": 8,
+                                  "schedule": "interleaved", "virtual_stages": 3,
+                                  "sequence_parallel": True}),
+    "tp2-dp2-z3": (4, {"tp": 2, "dp": 2, "zero": 3}),
+    "dp4-z3": (4, {"dp": 4, "zero": 3}),
+    "pp4-mb2-1f1b": (4, {"pp": 4, "microbatches": 2, "schedule": "1f1b"}),
 }
 # the layouts of each run: on this machine, and on N emulated one-core nodes (one rank
 # a node; serial runs on the first node alone)
@@ -379,12 +405,37 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
               f"{100 * max(merrs):.1f}% ({rows[merrs.index(max(merrs))][0]})",
               f"cluster: {cluster_path}" + (f", stream rates from {out}/stream.json"
                                             if added else "")]
+    lines.append(planner_choice(whole, names, meas))
     around = [x for n, v in loads.items() if n in names for x in v["load"]]
     if around:
         lines.append(f"1-minute load average around the runs: {min(around):.2f} to "
                      f"{max(around):.2f}" + ("; cores got: each node's CPU seconds over the "
                                               "timed run's wall time" if got else ""))
     return "\n".join(lines)
+
+
+def planner_choice(cluster, names: list[str], meas: list[float]) -> str:
+    """What ``hpctrain plan`` itself would choose for the benchmark GPT on ``cluster``
+    among every valid layout at the measured layouts' largest rank count (and, on one
+    node, every smaller count it searches), and where that layout stands measured."""
+    from hpctrain.plan.search import enumerate_over, layout_name, per_node_counts
+
+    world = max(LAYOUTS[n][0] for n in names)
+    worlds = [w for w in per_node_counts(cluster) if w <= world] \
+        if cluster.num_nodes == 1 else [world]
+    found = enumerate_over(layout_config("serial", 1, "/tmp/unused"), cluster, worlds)
+    best = found.ranked[0]
+    chosen = layout_name(best.cfg.parallel)
+    by_name = {layout_name(layout_config(n, 1, "/tmp/unused").parallel): n for n in names}
+    head = (f"the planner's choice among all {found.valid} valid layouts on "
+            f"{'/'.join(map(str, worlds))} rank(s): {chosen} ({1e3 * best.step_s:.0f} ms)")
+    if chosen not in by_name:
+        return head + "; not measured"
+    name = by_name[chosen]
+    step = meas[names.index(name)]
+    place = sorted(meas).index(step) + 1
+    return (head + f" = {name}, measured {1e3 * step:.0f} ms, {place} of {len(names)} "
+            f"measured, {100 * (step / min(meas) - 1):.1f}% slower than the measured best")
 
 
 def published(cluster_path: str | None, efficiency: float | None,

@@ -76,3 +76,28 @@ def test_the_rounds_own_order_is_their_rank_correlation(bench_plan):
     two, = bench_plan.rounds_agreement([r[:2] for r in by_round])
     assert "between rounds 1.000 (1 pair of 2 rounds)" in two
     assert bench_plan.rounds_agreement([[1.0], [2.0], [3.0]]) == []
+
+
+def test_compare_names_the_planners_own_choice_and_where_it_measured(bench_plan):
+    """The planner ranks every valid layout; compare says which one it would choose and,
+    if that layout was measured, its place among the measured ones."""
+    from hpctrain.plan.cluster import load_cluster
+    from hpctrain.plan.search import enumerate_layouts, layout_name
+
+    cluster = load_cluster(ROOT / "configs" / "clusters" / "emulated-2x1gbit.toml")
+    names = bench_plan.ON_NODES[2]
+    chosen = layout_name(enumerate_layouts(bench_plan.layout_config("serial", 1, "/tmp/x"),
+                                           cluster, 2).ranked[0].cfg.parallel)
+    mine = [n for n in names
+            if layout_name(bench_plan.layout_config(n, 1, "/tmp/x").parallel) == chosen]
+    assert len(mine) == 1, (chosen, names)  # the set measured holds the planner's choice
+    meas = [1.0 + i / 10 for i in range(len(names))]  # the first name measures fastest
+    line = bench_plan.planner_choice(cluster, names, meas)
+    place = names.index(mine[0]) + 1
+    assert line.startswith("the planner's choice among all 37 valid layouts on 2 rank(s): "
+                           f"{chosen} (")
+    assert line.endswith(f" = {mine[0]}, measured {1e3 * meas[place - 1]:.0f} ms, {place} "
+                         f"of {len(names)} measured, {10 * (place - 1):.1f}% slower than "
+                         f"the measured best")
+    others = [n for n in names if n != mine[0]]
+    assert bench_plan.planner_choice(cluster, others, meas[:-1]).endswith("; not measured")
