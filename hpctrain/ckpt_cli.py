@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -145,29 +144,6 @@ def verify(checkpoint: str) -> None:
                f"is finite")
 
 
-@contextmanager
-def _run_locked(root: Path):
-    """Hold the run folder's lock (``runlock``) while a checkpoint is written into
-    its checkpoints folder ``root``, as a training run does: refused while a run
-    writes there (the write would remove its unfinished save), and a run cannot
-    start meanwhile. A folder of no run (no lock there, not named ``checkpoints``)
-    takes none."""
-    from hpctrain import runlock
-    from hpctrain.checkpoint.training import CHECKPOINTS
-
-    run = root.parent
-    if not run.is_dir() or (root.name != CHECKPOINTS
-                            and not runlock.lock_path(run).exists()):
-        yield
-        return
-    lock = runlock.acquire(run, "ckpt convert", say=lambda text: click.echo(text, err=True),
-                           instead="name another -o folder")
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 @ckpt.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--output", "-o", required=True, type=click.Path(),
@@ -198,16 +174,14 @@ def convert(checkpoint: str, output: str, files: int, force: bool) -> None:
     from hpctrain.checkpoint.consolidate import consolidate, expand
     from hpctrain.checkpoint.format import SELF
     from hpctrain.data.format import DataError
-    from hpctrain.runtime import UserError
 
     with _opened(checkpoint) as ck:
         single = ck.index.files == [SELF]
     try:
         if single:
-            with _run_locked(Path(output)):
-                done = expand(checkpoint, output, files=files, force=force)
+            done = expand(checkpoint, output, files=files, force=force)
         else:
             done = consolidate(checkpoint, output, force=force)
-    except (CheckpointError, DataError, UserError) as err:
+    except (CheckpointError, DataError) as err:
         _fail([str(err)])
     click.echo(f"wrote {done} (step {ck.step}, {len(ck.tensors)} tensors)")

@@ -605,18 +605,20 @@ def _check_recompute(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> Non
     _require(costs is not None, f"recompute ({t.recompute!r}) works on pipeline pieces, "
                                 f"and the {cls.name} declares none: it must be \"none\"")
     _pieces_run(cls, par, "recompute", t.recompute, '"none"')
-    # what the built pieces would refuse (recompute.apply), said before the build
-    _require(not cls.batch_statistics,
-             f"recompute ({t.recompute!r}) runs a piece's forward twice, and the "
-             f"{cls.name}'s pieces keep BatchNorm's running statistics, which the second "
-             f"forward would update again: it must be \"none\"")
-    _require(t.recompute == "full" or cls.has_attention,
-             f"recompute ({t.recompute!r}) recomputes attention, and the {cls.name} has "
-             f"no attention layer: use \"full\" or \"none\"")
     try:
-        recompute.select(t.recompute_pieces, len(costs.middle), cls.name)
+        chosen = recompute.select(t.recompute_pieces, len(costs.middle), cls.name)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    # what the built pieces would refuse (recompute.apply), said before the build: the
+    # middle pieces hold a model's BatchNorm layers and its attention, first and last
+    # (the input, the head) neither
+    middle = [name for name in chosen if name.startswith("middle.")]
+    _require(not (cls.batch_statistics and middle),
+             f"recompute ({t.recompute!r}) of pieces {middle}: they keep BatchNorm's "
+             f"running statistics, which a second forward would update twice")
+    _require(t.recompute == "full" or (cls.has_attention and middle),
+             f"recompute ({t.recompute!r}) recomputes attention, but pieces {chosen} of "
+             f"the {cls.name} hold no attention layer")
 
 
 def _check_precision(m: ModelConfig, par: ParallelConfig, t: TrainConfig) -> None:

@@ -33,9 +33,9 @@ def plot_losses(records: list[dict[str, Any]], out_path: str | Path,
     whose loss and throughput are per token; else per sample). A value that is not a
     number is a ValueError naming its record and field."""
     for i, r in enumerate(records, 1):
-        if "step" not in r and ("loss" in r or "val_loss" in r):
-            raise ValueError(f"record {i} has a loss but no step; remove or repair that "
-                             f"record's line")
+        if "step" not in r and any(k in r for k in ("loss", "val_loss", "tokens_per_s")):
+            raise ValueError(f"record {i} has a loss or a throughput but no step; remove "
+                             f"or repair that record's line")
         for key in ("step", "loss", "val_loss", "tokens_per_s"):
             value = r.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int | float):

@@ -128,13 +128,11 @@ class RunLock:
 
 
 def acquire(run_dir: str | Path, command: str = "train",
-            say: Callable[[str], None] | None = None, env: dict | None = None,
-            instead: str = "give another --run-dir") -> RunLock:
+            say: Callable[[str], None] | None = None, env: dict | None = None) -> RunLock:
     """Take ``run_dir``'s lock for this process (made with the folder if need be), or
     raise a user error naming the folder, the holder and what to do. A stale lock, or
     this SLURM job's own from an earlier attempt, is taken over and ``say`` told so
-    (module docstring); ``instead``: the refusal's other way out. Rank 0 alone calls
-    this."""
+    (module docstring). Rank 0 alone calls this."""
     from hpctrain.runtime import UserError
 
     run_dir = Path(run_dir)
@@ -154,7 +152,7 @@ def acquire(run_dir: str | Path, command: str = "train",
             continue  # removed in between: try again
         why = _stale(found, me, env)
         if why is None:
-            raise UserError(_refusal(run_dir, path, found, me, instead))
+            raise UserError(_refusal(run_dir, path, found, me))
         try:
             taken = _take_over(path, found, me)
         except OSError as err:
@@ -283,15 +281,14 @@ def _take_over(path: Path, found: Holder, me: Holder) -> bool:
         breaker.unlink(missing_ok=True)
 
 
-def _refusal(run_dir: Path, path: Path, found: Holder | str, me: Holder,
-             instead: str = "give another --run-dir") -> str:
+def _refusal(run_dir: Path, path: Path, found: Holder | str, me: Holder) -> str:
     if not isinstance(found, Holder):
         return (f"{run_dir} is locked by {path}, which {found}: another run may be starting "
-                f"there. {instead[0].upper() + instead[1:]}, or, if no run uses the "
-                f"folder, remove {path} and run again")
+                f"there. Give another --run-dir, or, if no run uses the folder, remove "
+                f"{path} and run again")
     what = (f"{run_dir} is in use by another run ({found.describe()}): two runs in one "
             f"folder overwrite each other's checkpoints and metrics. Wait for it to end, or "
-            f"{instead}")
+            f"give another --run-dir")
     if found.host == me.host:  # once its process is gone, the next run takes it over
         return what
     check = (f"`squeue --jobs {found.job_id}` lists nothing" if found.job_id

@@ -230,29 +230,25 @@ def test_a_convert_refused_by_a_bad_piece_leaves_no_folder_behind(checkpoints, t
     code, out = ckpt("convert", single, "-o", tmp_path / "new" / "checkpoints")
     assert code == 2 and "checksum" in out, out
     assert not (tmp_path / "new").exists()
-    # into an existing folder: its unfinished step-N.tmp/ is removed, the folder kept
+    # into an existing folder: the conversion's own folder is removed, the folder kept
     (tmp_path / "kept").mkdir()
     code, out = ckpt("convert", single, "-o", tmp_path / "kept")
     assert code == 2 and list((tmp_path / "kept").iterdir()) == [], out
+    # the folders it made for the output are removed too
+    code, out = ckpt("convert", single, "-o", tmp_path / "a" / "b" / "checkpoints")
+    assert code == 2 and not (tmp_path / "a").exists(), out
 
 
-def test_convert_into_a_run_that_is_training_is_refused(checkpoints, tmp_path):
-    """The run folder's lock held (a training run saving there: convert would remove
-    its unfinished step-N.tmp/): refused, naming the lock; once free, written, and the
-    lock left as it was found (none)."""
-    from hpctrain import runlock
-
+def test_convert_leaves_another_saves_unfinished_folder_alone(checkpoints, tmp_path):
+    """A run saving into the folder while a file is converted there: its unfinished
+    step-N.tmp/ is its own (the conversion writes a folder of its own), and a folder
+    the conversion made for itself is removed when it is refused."""
     single = consolidate(checkpoints / "step-000002", tmp_path / "two.h5")
-    run = checkpoints.parent
-    (checkpoints / "step-000006.tmp").mkdir()  # the training run's save in progress
-    lock = runlock.acquire(run, "train")
-    try:
-        code, out = ckpt("convert", single, "-o", checkpoints, "--force")
-    finally:
-        lock.release()
-    assert code == 2 and f"error: {run} is in use by another run (pid " in out, out
-    assert "hpctrain train since" in out and "or name another -o folder" in out, out
-    assert (checkpoints / "step-000006.tmp").is_dir()
+    saving = checkpoints / "step-000006.tmp"
+    saving.mkdir()
+    (saving / "rank-00000.h5").write_bytes(b"being written")
     code, out = ckpt("convert", single, "-o", checkpoints, "--force")
     assert code == 0, out
-    assert not runlock.lock_path(run).exists()
+    assert (saving / "rank-00000.h5").read_bytes() == b"being written"
+    assert (checkpoints / fmt.LATEST_NAME).read_text().strip() == "step-000002"
+    assert not list(checkpoints.glob("*.convert-*"))

@@ -355,9 +355,11 @@ def test_plot_errors_name_the_value(tmp_path):
     assert result.exit_code == 2 and f"{binary} is not a JSON trace" in result.output
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
-    metrics.write_text('{"step": 1, "loss": 2.0}\n{"loss": 1.5}\n')
-    result = runner.invoke(main, ["plot", str(metrics)])
-    assert result.exit_code == 1 and "record 2 has a loss but no step" in result.output
+    for line in ('{"loss": 1.5}', '{"tokens_per_s": 100.0}'):
+        metrics.write_text('{"step": 1, "loss": 2.0}\n' + line + "\n")
+        result = runner.invoke(main, ["plot", str(metrics)])
+        assert result.exit_code == 1, result.output
+        assert "record 2 has a loss or a throughput but no step" in result.output
     metrics.write_text('{"step": 1, "loss": 2.0}\n')
     (tmp_path / "file").write_text("")
     result = runner.invoke(main, ["plot", str(metrics), "--out", str(tmp_path / "file" / "x")])

@@ -256,21 +256,31 @@ def test_attention_recomputation_cuts_attention_activations_past_3x(d_model, n_h
     assert all0 / all1 >= 3
 
 
-@pytest.mark.parametrize("kind, mode, message", [
-    ("cnn", "full", r"the CNN classifier's pieces keep BatchNorm's running statistics"),
-    ("cnn", "selective", r"the CNN classifier's pieces keep BatchNorm's running statistics"),
-    ("mlp", "selective", r"recompute \('selective'\) recomputes attention, and the MLP "
-                         r"classifier has no attention layer: use \"full\" or \"none\""),
-    ("mlp", "attention", r"and the MLP classifier has no attention layer"),
+@pytest.mark.parametrize("kind, mode, pieces, message", [
+    ("cnn", "full", (), r"recompute \('full'\) of pieces \['middle.0', 'middle.1', "
+                        r"'middle.2', .*'middle.5'\]: they keep BatchNorm's running "
+                        r"statistics, which a second forward would update twice"),
+    ("cnn", "full", ("first", "middle.1"), r"of pieces \['middle.1'\]: they keep BatchNorm"),
+    ("cnn", "selective", ("last",), r"recompute \('selective'\) recomputes attention, but "
+                                    r"pieces \['last'\] of the CNN classifier hold no"),
+    ("mlp", "selective", (), r"recompute \('selective'\) recomputes attention, but pieces "
+                             r"\['middle.0', 'middle.1'\] of the MLP classifier hold no "
+                             r"attention layer"),
+    ("mlp", "attention", (), r"of the MLP classifier hold no attention layer"),
+    ("gpt", "selective", ("first", "last"), r"pieces \['first', 'last'\] of the GPT hold no"),
 ])
-def test_what_the_built_pieces_would_refuse_is_refused_by_the_config(kind, mode, message):
-    """Before the data is opened and the model built (where recompute.apply refused)."""
-    model = (ModelConfig(kind="cnn", input_dim=64, channels=(2, 3, 4), n_classes=4)
-             if kind == "cnn" else ModelConfig(kind="mlp", input_dim=8, hidden=(8, 8, 8),
-                                               n_classes=4))
+def test_what_the_built_pieces_would_refuse_is_refused_by_the_config(kind, mode, pieces,
+                                                                      message):
+    """Before the data is opened and the model built (where recompute.apply refused),
+    in its words; what the pieces take still passes."""
+    model = {"cnn": ModelConfig(kind="cnn", input_dim=64, channels=(2, 3, 4), n_classes=4),
+             "mlp": ModelConfig(kind="mlp", input_dim=8, hidden=(8, 8, 8), n_classes=4),
+             "gpt": MODEL}[kind]
     cfg = Config(model=model, parallel=ParallelConfig(pp=2, microbatches=2),
-                 train=TrainConfig(batch_size=4, recompute=mode))
+                 train=TrainConfig(batch_size=4, recompute=mode, recompute_pieces=pieces))
     with pytest.raises(ConfigError, match=message):
         cfg.validate(2)
-    if kind == "mlp":  # "full" it takes
-        assert replace(cfg, train=replace(cfg.train, recompute="full")).validate(2)
+    taken = {"cnn": ("full", ("first", "last")), "mlp": ("full", ()),
+             "gpt": ("selective", ("middle.0",))}[kind]
+    assert replace(cfg, train=replace(cfg.train, recompute=taken[0],
+                                      recompute_pieces=taken[1])).validate(2)

@@ -45,7 +45,7 @@ from hpctrain.checkpoint.format import (
 from hpctrain.checkpoint.rankfile import allocate_flat, flat_layout, pwrite_all
 from hpctrain.checkpoint.reader import Checkpoint
 from hpctrain.checkpoint.reshard import box_volume, full_box, slices
-from hpctrain.checkpoint.writer import commit, prepare
+from hpctrain.checkpoint.writer import PRUNED, commit
 from hpctrain.data.format import atomic_h5
 
 
@@ -108,14 +108,14 @@ def check_folder_output(root: Path, step: int, source: Path, force: bool) -> Non
                               f"converts to a checkpoints folder ({step_dirname(step)}/ and "
                               f"{LATEST_NAME}): name a new folder, or one of checkpoints")
     final, pointer = root / step_dirname(step), root / LATEST_NAME
-    if root.is_dir():  # what the write removes: step-N/ (with --force), unfinished saves
+    if root.is_dir():  # what the write removes: step-N/ (with --force), pruned steps
         inside = source.resolve()
-        for doomed in (final, *(p for p in root.glob("step-*.tmp") if p.is_dir())):
+        for doomed in (final, *(p for p in root.glob(f"step-*{PRUNED}") if p.is_dir())):
             if inside.is_relative_to(doomed.resolve()):
                 raise CheckpointError(
                     f"{source}: the file being converted is inside {doomed}, which "
                     f"writing {final.name}/ into {root} would "
-                    + ("replace" if doomed == final else "remove (an unfinished save)")
+                    + ("replace" if doomed == final else "delete (a pruned checkpoint)")
                     + "; refusing even with --force: copy the file elsewhere first, "
                     "or name another folder")
     if force or not root.is_dir() or not any(root.iterdir()):
@@ -158,21 +158,29 @@ def expand(src: str | Path, dst: str | Path, *, files: int = 1, force: bool = Fa
     (``check_folder_output``)."""
     if files < 1:
         raise ValueError(f"files ({files}) must be at least 1")
-    root = Path(dst)
+    root = Path(os.path.abspath(dst))
     with Checkpoint(src) as ckpt:
         check_folder_output(root, ckpt.step, ckpt.index.path, force)
-        made = next((p for p in (*reversed(root.absolute().parents), root.absolute())
-                     if not p.exists()), None)  # the first folder the write makes
-        tmp = prepare(root, ckpt.step)
+        made = [p for p in (*reversed(root.parents), root) if not p.exists()]
+        # a folder of this conversion alone: another save's unfinished step-N.tmp/ (a
+        # run training into this folder) is its own to finish or remove
+        tmp = root / f"{step_dirname(ckpt.step)}.convert-{os.getpid()}.tmp"
         try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
             return _expand_into(ckpt, root, tmp, files)
-        except BaseException:  # a bad piece, a full disk, ^C: nothing left behind
-            shutil.rmtree(made or tmp, ignore_errors=True)
+        except BaseException:  # a bad piece, a full disk, ^C: nothing of it left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            for folder in reversed(made):  # the folders it made, if nothing else is there
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
             raise
 
 
 def _expand_into(ckpt: Checkpoint, root: Path, tmp: Path, files: int) -> Path:
-    """``expand``'s write: the pieces into ``tmp`` (``step-N.tmp/``), then the commit."""
+    """``expand``'s write: the pieces into ``tmp``, then the commit."""
     tensors = list(ckpt.tensors.values())
     where: list[list[tuple[int, tuple]]] = []  # per tensor: (file, box) of its pieces
     placed: list[list[tuple[str, int]]] = [[] for _ in range(files)]
