@@ -779,27 +779,33 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
 
 def check_new_output(out: Path, option: str, force: bool, inputs: dict[str, str | None]
                      ) -> None:
-    """Before the work: ``out`` (``option``'s file) is none of ``inputs`` (option ->
-    path; not even with --force), replaces an existing file only with ``force``, and
-    its folder can be made and written into; else a usage error naming the path."""
+    """Before the work: ``check_replaceable``, and the output's folder can be made and
+    written into (``check_output``)."""
+    check_replaceable(out, option, force, inputs)
+    check_output(out, option)
+
+
+def check_replaceable(out: Path, option: str, force: bool,
+                      inputs: dict[str, str | Path | None]) -> None:
+    """``out`` (``option``'s file) is none of ``inputs`` (option -> path; not even
+    with --force), and replaces an existing file only with ``force``; else a usage
+    error naming the path."""
     from hpctrain.data.format import same_file
 
     for name, given in inputs.items():
         if given and same_file(out, given):
             raise click.BadParameter(f"{out}: is the {name} file, which {option} never "
                                      f"replaces (not even with --force)", param_hint=option)
-    check_output(out, option, exist_ok=force)
-
-
-def check_output(out: Path, option: str = "--out", exist_ok: bool = True) -> None:
-    """The output's folder can be made and written into (a file is made and removed
-    there), or a usage error naming the path and ``option``; with ``exist_ok`` False,
-    an existing ``out`` is refused too (the caller's --force allows it)."""
-    import tempfile
-
-    if not exist_ok and (out.exists() or out.is_symlink()):
+    if not force and (out.exists() or out.is_symlink()):
         raise click.BadParameter(f"{out}: already exists; pass --force to replace it",
                                  param_hint=option)
+
+
+def check_output(out: Path, option: str = "--out") -> None:
+    """The output's folder can be made and written into (a file is made and removed
+    there), or a usage error naming the path and ``option``."""
+    import tempfile
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".calibrate-"):

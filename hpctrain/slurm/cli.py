@@ -77,7 +77,8 @@ def render_cmd(template, output, force, command, config_path, job_name, time_lim
     req = JobRequest(command=command, config=config_path or DEFAULT_CONFIGS[command],
                      job_name=job_name or f"hpctrain-{command}", time=time_limit,
                      hpctrain=hpctrain_cmd, **options)
-    from hpctrain.data.format import DataError, same_file
+    from hpctrain.data.format import DataError
+    from hpctrain.plan.calibrate import check_replaceable
 
     try:
         text = template.read_text()
@@ -93,14 +94,9 @@ def render_cmd(template, output, force, command, config_path, job_name, time_lim
     if output is None:
         click.echo(script, nl=False)
     else:
-        for name, given in (("--template", template), ("--config", req.config)):
-            if same_file(output, given):
-                raise click.BadParameter(f"{output}: is the {name} file, which -o never "
-                                         f"replaces (not even with --force)",
-                                         param_hint="'-o' / '--output'")
-        if (output.exists() or output.is_symlink()) and not force:
-            raise click.BadParameter(f"{output}: already exists; pass --force to replace it",
-                                     param_hint="'-o' / '--output'")
+        # as plan --emit's output, but in a folder that exists (none is made for it)
+        check_replaceable(output, "-o", force, {"--template": template,
+                                                "--config": req.config})
         tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
         try:  # whole or not at all: a new file renamed over the old one
             tmp.write_text(script)
