@@ -494,7 +494,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                                          n_chunks - 1 in chunks, e.work)
         work = max(work, e.state * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
-        if par.zero == 3:  # gathered pieces and one piece's whole gradient
+        if par.zero == 3:  # gathered pieces, whole gradients of two pieces
             buckets = mem.zero3_transient_bytes(m, tp, e.state, sum(sizes), mb,
                                                 par.reshard_after_forward, dp)
         retained = 0

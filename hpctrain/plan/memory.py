@@ -331,14 +331,16 @@ def zero3_transient_bytes(m, tp: int, s: int, stage_numel: int = 0, microbatches
     rank. Gathered parameters: the piece in use and the next one prefetched (two of
     the largest), or, without ``reshard`` after the forward, every piece of this rank
     (``stage_numel`` elements) from its forward to its backward. Whole gradients: a
-    unit's lives from its first backward to the last microbatch's, so one piece's (the
-    largest) with one microbatch, every piece of this rank's with more. At ``dp`` 1 a
-    shard is its whole unit: nothing is gathered."""
+    unit's lives from its first backward to the end of its reduce-scatter, posted when
+    the last microbatch's backward of the unit ends and reaped when the next piece's
+    ends: with one microbatch two pieces' (the one in backward and the one before it,
+    still reducing), every piece of this rank's with more. At ``dp`` 1 a shard is its
+    whole unit: nothing is gathered, and a gradient is copied to its shard at once."""
     from hpctrain.models.registry import model_class
 
     costs = model_class(m.kind).piece_costs(m)
     largest = max([costs.first, *costs.middle, costs.last]) / tp
     whole = max(stage_numel, largest)
     gathered = 0 if dp == 1 else 2 * largest if reshard else whole
-    grads = largest if microbatches == 1 else whole
+    grads = (largest if dp == 1 else 2 * largest) if microbatches == 1 else whole
     return int(s * (gathered + grads))
