@@ -35,7 +35,10 @@ include its choices) and where that layout measured.
 shaped at ``--link``, UCX over TCP on them), runs ``ON_NODES[N]`` one rank a node (one
 BLAS thread; serial on the first node alone) and removes the cluster; ``load.json``
 keeps, per layout, the load average before and after, the bytes node 0 sent over its
-link and the cores each node got.
+link and the cores each node got. Before each timed run a probe (``probe_worker``, 10
+s) measures the nodes' GEMM and stream rates as the calibration does, shorter, into
+``probe.json``; ``compare`` then also predicts each layout at the rates probed beside
+its runs, which tells the machine's drift since the calibration from the model's error.
 ``compare --nodes N`` compares those layouts, serial against the description cut to
 one node. ``published`` prints the predictions for published runs on A100 nodes
 (Megatron-LM's and BLOOM's: three studies, two machines) against their teraFLOP/s per GPU
@@ -193,6 +196,65 @@ def stream_worker(out: str) -> None:
         path.write_text(json.dumps(got, indent=2))
 
 
+PROBE_SIZES = (256, 1024)  # the probe's GEMM sizes: attention's and the MLP's range
+
+
+def probe_worker(out: str, tag: str) -> None:
+    """The nodes' compute rates now: a short form of the calibration's GEMM (operands
+    from memory, ``PROBE_SIZES``, the median of 3 sustained samples) and stream (3
+    samples) on every rank at once, medians over ranks into ``probe.json`` under
+    ``tag``. ``measure`` runs it just before each layout's timed run, so that
+    ``compare`` can tell the machine's drift since the calibration from the model's
+    error."""
+    from mpi4py import MPI
+
+    from hpctrain.plan.calibrate import gemm_rates, stream_rates
+
+    comm = MPI.COMM_WORLD
+    gemm = gemm_rates(comm, list(PROBE_SIZES), 3, sustained=True)
+    stream = stream_rates(comm, repeats=3, sustained=True)
+    if comm.Get_rank() == 0:
+        path = Path(out) / "probe.json"
+        got = json.loads(path.read_text()) if path.exists() else {}
+        got[tag] = {"gemm": {str(n): statistics.median(r) for n, r in gemm.items()},
+                    "stream": statistics.median(stream)}
+        path.write_text(json.dumps(got, indent=2))
+
+
+def probe_tag(name: str, round_: int) -> str:
+    return f"{name}-r{round_}"
+
+
+def drift(cluster, probes: dict, name: str) -> tuple[float, float] | None:
+    """How the one-rank-a-node GEMM and stream rates probed beside ``name``'s timed runs
+    compare with ``cluster``'s description: (GEMM factor, stream factor), each the median
+    over the layout's rounds (the GEMM's the geometric mean over ``PROBE_SIZES`` of
+    probed over described); None without probes."""
+    kind = next(iter(cluster.kinds.values()))
+    table = dict(kind.gemm.get(1, ()))
+    got = [v for k, v in sorted(probes.items()) if k.rsplit("-r", 1)[0] == name]
+    if not got or not table or not kind.stream or 1 not in kind.stream:
+        return None
+    gemm = [statistics.geometric_mean([p["gemm"][str(n)] / table[n] for n in PROBE_SIZES])
+            for p in got]
+    stream = [p["stream"] / kind.stream[1] for p in got]
+    return statistics.median(gemm), statistics.median(stream)
+
+
+def scaled(cluster, gemm: float, stream: float):
+    """``cluster`` with every node kind's GEMM tables times ``gemm`` and its stream rates
+    times ``stream``: the description at the rates the machine ran at."""
+    def times(tables, f):
+        return None if tables is None else {r: tuple((n, f * v) for n, v in t)
+                                            for r, t in tables.items()}
+
+    kinds = {n: replace(k, gemm=times(k.gemm, gemm), gemm_cached=times(k.gemm_cached, gemm),
+                        stream=None if k.stream is None else
+                        {r: stream * v for r, v in k.stream.items()})
+             for n, k in cluster.kinds.items()}
+    return replace(cluster, kinds=kinds)
+
+
 # ---------------------------------------------------------------------------------
 # the driver
 
@@ -214,7 +276,8 @@ def launch(ranks: int, args: list[str], timeout: float = 900, cluster=None) -> N
 def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None,
             rounds: int = 1) -> None:
     """Each layout timed in each of ``rounds`` rounds (every layout in turn, the order
-    reversed from one round to the next), and traced for memory in the first;
+    reversed from one round to the next), and traced for memory in the first; on a
+    cluster each timed run follows a probe of the nodes' rates (``probe_worker``);
     ``load.json`` records the 1-minute load average before and after each layout's
     runs (and on a cluster what node 0's switch port counted leaving it during the
     first timed run, and the cores each node got)."""
@@ -226,6 +289,9 @@ def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None,
     for k in range(1, rounds + 1):
         for name in names if k % 2 else names[::-1]:
             ranks = LAYOUTS[name][0]
+            if cluster is not None:  # the nodes' rates now, for compare's drift
+                launch(ranks, ["probe-worker", "--out", out, "--tag", probe_tag(name, k)],
+                       cluster=cluster)
             before = os.getloadavg()[0]
             t0 = time.perf_counter()
             port0, cpu0 = _port_bytes(cluster), _node_cpu_s(cluster)
@@ -369,9 +435,16 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     path = Path(out) / "load.json"
     loads = json.loads(path.read_text()) if path.exists() else {}
     got = any(loads.get(n, {}).get("cores_got") for n in names)  # only on a cluster
-    head = ("| layout | ranks | predicted ms | measured ms | error | predicted MiB | "
-            "measured MiB | error | largest predicted terms |" + (" cores got |" if got else ""))
-    lines = [head, "|" + "---|" * (10 if got else 9)]
+    path = Path(out) / "probe.json"
+    probes = json.loads(path.read_text()) if path.exists() else {}
+    factors = {n: f for n in names if (f := drift(whole, probes, n)) is not None}
+    probed = len(factors) == len(names)  # every layout, or the column is left out
+    head = ("| layout | ranks | predicted ms | measured ms | error | "
+            + ("at probed rates: ms, error | " if probed else "")
+            + "predicted MiB | measured MiB | error | largest predicted terms |"
+            + (" cores got |" if got else ""))
+    lines = [head, "|" + "---|" * (9 + got + probed)]
+    at_probed = []
     for name in names:
         ranks = LAYOUTS[name][0]
         cfg = layout_config(name, 1, "/tmp/unused")
@@ -383,12 +456,18 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
         meas.append(step)
         by_round.append(rounds)
         rows.append((name, err, merr))
+        if probed:
+            at_probed.append(estimate(cfg, first_nodes(scaled(whole, *factors[name]),
+                                                       ranks)).step_s)
         top = sorted(e.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
         spread = (f" ({1e3 * min(rounds):.0f}-{1e3 * max(rounds):.0f})"
                   if len(rounds) > 1 else "")
+        again = (f"{1e3 * at_probed[-1]:.0f}, {100 * (at_probed[-1] / step - 1):+.1f}% | "
+                 if probed else "")
         lines.append(f"| {name} | {ranks} | {1e3 * e.step_s:.0f} | {1e3 * step:.0f}{spread} | "
-                     f"{100 * err:+.1f}% | {e.max_memory / 2**20:.0f} | {peak / 2**20:.0f} | "
+                     f"{100 * err:+.1f}% | {again}{e.max_memory / 2**20:.0f} | "
+                     f"{peak / 2**20:.0f} | "
                      f"{100 * merr:+.1f}% | {terms} |"
                      + (" " + "/".join(f"{c:.2f}" for c in loads.get(name, {}).get(
                          "cores_got", [])) + " |" if got else ""))
@@ -401,6 +480,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
               f"correlation {spearman(pred, meas):.3f}; predicted best {best_p}, measured best "
               f"{best_m} (the predicted best measures {100 * gap:.1f}% slower than the best)",
               *rounds_agreement(by_round),
+              *(probed_summary(names, at_probed, meas, factors) if probed else []),
               f"memory: median |error| {100 * statistics.median(merrs):.1f}%, worst "
               f"{100 * max(merrs):.1f}% ({rows[merrs.index(max(merrs))][0]})",
               f"cluster: {cluster_path}" + (f", stream rates from {out}/stream.json"
@@ -412,6 +492,24 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
                      f"{max(around):.2f}" + ("; cores got: each node's CPU seconds over the "
                                               "timed run's wall time" if got else ""))
     return "\n".join(lines)
+
+
+def probed_summary(names: list[str], pred: list[float], meas: list[float],
+                   factors: dict[str, tuple[float, float]]) -> list[str]:
+    """The step-time figures again with each layout predicted at the rates probed beside
+    its runs (``drift``): the model's error with the machine's drift since the
+    calibration taken out."""
+    errs = [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)]
+    best_p = names[pred.index(min(pred))]
+    gemm = [g for g, _ in factors.values()]
+    stream = [s for _, s in factors.values()]
+    return [f"at the rates probed beside each layout's runs (GEMM {min(gemm):.3f}-"
+            f"{max(gemm):.3f}, stream {min(stream):.3f}-{max(stream):.3f} of the "
+            f"calibration's): median |error| {100 * statistics.median(errs):.1f}%, worst "
+            f"{100 * max(errs):.1f}% ({names[errs.index(max(errs))]}); Spearman rank "
+            f"correlation {spearman(pred, meas):.3f}; predicted best {best_p} (measures "
+            f"{100 * (meas[names.index(best_p)] / min(meas) - 1):.1f}% slower than the "
+            f"best)"]
 
 
 def planner_choice(cluster, names: list[str], meas: list[float]) -> str:
@@ -533,7 +631,8 @@ def scale() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["measure", "compare", "stream", "worker",
-                                         "stream-worker", "published", "scale"])
+                                         "stream-worker", "probe-worker", "published",
+                                         "scale"])
     parser.add_argument("layout", nargs="?")
     parser.add_argument("--out", default="runs/plan")
     parser.add_argument("--cluster", default=None,
@@ -551,6 +650,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="measure: time every layout in this many rounds, the order "
                              "reversed each round (compare reads the rounds there are)")
     parser.add_argument("--round", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0,
                         help="worker: BLAS and element-wise threads a rank (0: the default)")
     parser.add_argument("--nodes", type=int, choices=sorted(ON_NODES), default=None,
@@ -573,6 +673,8 @@ def main(argv: list[str] | None = None) -> None:
         worker(args.layout, args.out, args.steps, args.memory, args.threads, args.round)
     elif args.what == "stream-worker":
         stream_worker(args.out)
+    elif args.what == "probe-worker":
+        probe_worker(args.out, args.tag)
     elif args.what == "stream":
         Path(args.out).mkdir(parents=True, exist_ok=True)
         for ranks in (1, 2):

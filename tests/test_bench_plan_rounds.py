@@ -101,3 +101,36 @@ def test_compare_names_the_planners_own_choice_and_where_it_measured(bench_plan)
                          f"the measured best")
     others = [n for n in names if n != mine[0]]
     assert bench_plan.planner_choice(cluster, others, meas[:-1]).endswith("; not measured")
+
+
+def test_drift_is_the_probed_rates_over_the_described_ones(bench_plan):
+    """A layout's probes (one per round) against the description's one-rank-a-node
+    tables: the GEMM factor the geometric mean over the probed sizes, each the median
+    over rounds; the scaled description predicts a compute-bound layout that much slower."""
+    from hpctrain.plan.cluster import load_cluster
+    from hpctrain.plan.cost import estimate
+
+    cluster = load_cluster(str(ROOT / "configs/clusters/emulated-2x1gbit.toml"))
+    kind = next(iter(cluster.kinds.values()))
+    table = dict(kind.gemm[1])
+    sizes = bench_plan.PROBE_SIZES
+
+    def probe(g: tuple[float, float], s: float) -> dict:
+        return {"gemm": {str(n): f * table[n] for n, f in zip(sizes, g, strict=True)},
+                "stream": s * kind.stream[1]}
+    probes = {bench_plan.probe_tag("dp2", 1): probe((0.5, 0.8), 0.9),
+              bench_plan.probe_tag("dp2", 2): probe((0.8, 0.8), 0.7),
+              bench_plan.probe_tag("dp2", 3): probe((1.0, 1.0), 0.8),
+              bench_plan.probe_tag("tp2", 1): probe((2.0, 2.0), 2.0)}
+    gemm, stream = bench_plan.drift(cluster, probes, "dp2")
+    assert gemm == pytest.approx(0.8)  # rounds: sqrt(0.4) = 0.632, 0.8, 1.0
+    assert stream == pytest.approx(0.8)
+    assert bench_plan.drift(cluster, probes, "tp2") == pytest.approx((2.0, 2.0))
+    assert bench_plan.drift(cluster, probes, "serial") is None  # never probed
+
+    slow = bench_plan.scaled(cluster, 0.5, 0.5)
+    assert dict(next(iter(slow.kinds.values())).gemm[1])[1024] == table[1024] / 2
+    cfg = bench_plan.layout_config("serial", 1, "/tmp/unused")
+    one = bench_plan.first_nodes
+    base, half = (estimate(cfg, one(c, 1)).step_s for c in (cluster, slow))
+    assert half == pytest.approx(2 * base, rel=0.05)  # serial: compute and element-wise
