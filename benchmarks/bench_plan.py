@@ -37,8 +37,9 @@ BLAS thread; serial on the first node alone) and removes the cluster; ``load.jso
 keeps, per layout, the load average before and after, the bytes node 0 sent over its
 link and the cores each node got. Before each timed run a probe (``probe_worker``, 10
 s) measures the nodes' GEMM and stream rates as the calibration does, shorter, into
-``probe.json``; ``compare`` then also predicts each layout at the rates probed beside
-its runs, which tells the machine's drift since the calibration from the model's error.
+``probe.json``; ``compare`` then also predicts every layout at the probed rates (the
+medians over the run), which tells the machine's drift since the calibration from the
+model's error.
 ``compare --nodes N`` compares those layouts, serial against the description cut to
 one node. ``published`` prints the predictions for published runs on A100 nodes
 (Megatron-LM's and BLOOM's: three studies, two machines) against their teraFLOP/s per GPU
@@ -225,20 +226,23 @@ def probe_tag(name: str, round_: int) -> str:
     return f"{name}-r{round_}"
 
 
-def drift(cluster, probes: dict, name: str) -> tuple[float, float] | None:
-    """How the one-rank-a-node GEMM and stream rates probed beside ``name``'s timed runs
-    compare with ``cluster``'s description: (GEMM factor, stream factor), each the median
-    over the layout's rounds (the GEMM's the geometric mean over ``PROBE_SIZES`` of
-    probed over described); None without probes."""
+def drift(cluster, probes: dict, names: list[str]) -> tuple[float, float, int] | None:
+    """How the one-rank-a-node GEMM and stream rates probed beside the timed runs of
+    ``names`` compare with ``cluster``'s description: (GEMM factor, stream factor,
+    probes), each factor the median over every probe of those layouts (the GEMM's per
+    probe the geometric mean over ``PROBE_SIZES`` of probed over described); None
+    without probes. Pooled over the run, not per layout: one probe of 3 samples reads
+    +-10% from the next, more than the run drifted from its first probe to its last
+    (2026-12-07: 57 probes over 37 minutes, no trend)."""
     kind = next(iter(cluster.kinds.values()))
     table = dict(kind.gemm.get(1, ()))
-    got = [v for k, v in sorted(probes.items()) if k.rsplit("-r", 1)[0] == name]
+    got = [v for k, v in sorted(probes.items()) if k.rsplit("-r", 1)[0] in names]
     if not got or not table or not kind.stream or 1 not in kind.stream:
         return None
     gemm = [statistics.geometric_mean([p["gemm"][str(n)] / table[n] for n in PROBE_SIZES])
             for p in got]
     stream = [p["stream"] / kind.stream[1] for p in got]
-    return statistics.median(gemm), statistics.median(stream)
+    return statistics.median(gemm), statistics.median(stream), len(got)
 
 
 def scaled(cluster, gemm: float, stream: float):
@@ -437,8 +441,8 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     got = any(loads.get(n, {}).get("cores_got") for n in names)  # only on a cluster
     path = Path(out) / "probe.json"
     probes = json.loads(path.read_text()) if path.exists() else {}
-    factors = {n: f for n in names if (f := drift(whole, probes, n)) is not None}
-    probed = len(factors) == len(names)  # every layout, or the column is left out
+    factors = drift(whole, probes, names)
+    probed = factors is not None
     head = ("| layout | ranks | predicted ms | measured ms | error | "
             + ("at probed rates: ms, error | " if probed else "")
             + "predicted MiB | measured MiB | error | largest predicted terms |"
@@ -457,7 +461,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
         by_round.append(rounds)
         rows.append((name, err, merr))
         if probed:
-            at_probed.append(estimate(cfg, first_nodes(scaled(whole, *factors[name]),
+            at_probed.append(estimate(cfg, first_nodes(scaled(whole, *factors[:2]),
                                                        ranks)).step_s)
         top = sorted(e.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
@@ -495,17 +499,16 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
 
 
 def probed_summary(names: list[str], pred: list[float], meas: list[float],
-                   factors: dict[str, tuple[float, float]]) -> list[str]:
-    """The step-time figures again with each layout predicted at the rates probed beside
-    its runs (``drift``): the model's error with the machine's drift since the
+                   factors: tuple[float, float, int]) -> list[str]:
+    """The step-time figures again with every layout predicted at the rates probed
+    beside the runs (``drift``): the model's error with the machine's drift since the
     calibration taken out."""
     errs = [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)]
     best_p = names[pred.index(min(pred))]
-    gemm = [g for g, _ in factors.values()]
-    stream = [s for _, s in factors.values()]
-    return [f"at the rates probed beside each layout's runs (GEMM {min(gemm):.3f}-"
-            f"{max(gemm):.3f}, stream {min(stream):.3f}-{max(stream):.3f} of the "
-            f"calibration's): median |error| {100 * statistics.median(errs):.1f}%, worst "
+    gemm, stream, count = factors
+    return [f"at the rates probed beside the runs (the medians of {count} probes: GEMM "
+            f"{gemm:.3f}, stream {stream:.3f} of the calibration's): median |error| "
+            f"{100 * statistics.median(errs):.1f}%, worst "
             f"{100 * max(errs):.1f}% ({names[errs.index(max(errs))]}); Spearman rank "
             f"correlation {spearman(pred, meas):.3f}; predicted best {best_p} (measures "
             f"{100 * (meas[names.index(best_p)] / min(meas) - 1):.1f}% slower than the "

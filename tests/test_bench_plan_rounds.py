@@ -104,9 +104,10 @@ def test_compare_names_the_planners_own_choice_and_where_it_measured(bench_plan)
 
 
 def test_drift_is_the_probed_rates_over_the_described_ones(bench_plan):
-    """A layout's probes (one per round) against the description's one-rank-a-node
-    tables: the GEMM factor the geometric mean over the probed sizes, each the median
-    over rounds; the scaled description predicts a compute-bound layout that much slower."""
+    """The probes of the layouts compared (one per layout and round) against the
+    description's one-rank-a-node tables: per probe the GEMM factor is the geometric
+    mean over the probed sizes, and the run's factors the medians over its probes; the
+    scaled description predicts a compute-bound layout that much slower."""
     from hpctrain.plan.cluster import load_cluster
     from hpctrain.plan.cost import estimate
 
@@ -120,13 +121,14 @@ def test_drift_is_the_probed_rates_over_the_described_ones(bench_plan):
                 "stream": s * kind.stream[1]}
     probes = {bench_plan.probe_tag("dp2", 1): probe((0.5, 0.8), 0.9),
               bench_plan.probe_tag("dp2", 2): probe((0.8, 0.8), 0.7),
-              bench_plan.probe_tag("dp2", 3): probe((1.0, 1.0), 0.8),
-              bench_plan.probe_tag("tp2", 1): probe((2.0, 2.0), 2.0)}
-    gemm, stream = bench_plan.drift(cluster, probes, "dp2")
-    assert gemm == pytest.approx(0.8)  # rounds: sqrt(0.4) = 0.632, 0.8, 1.0
+              bench_plan.probe_tag("tp2", 1): probe((1.0, 1.0), 0.8),
+              bench_plan.probe_tag("pp2-mb2-1f1b", 1): probe((3.0, 3.0), 3.0)}
+    gemm, stream, count = bench_plan.drift(cluster, probes, ["dp2", "tp2"])
+    assert count == 3  # pp2-mb2-1f1b's probe is not of the layouts compared
+    assert gemm == pytest.approx(0.8)  # probes: sqrt(0.4) = 0.632, 0.8, 1.0
     assert stream == pytest.approx(0.8)
-    assert bench_plan.drift(cluster, probes, "tp2") == pytest.approx((2.0, 2.0))
-    assert bench_plan.drift(cluster, probes, "serial") is None  # never probed
+    assert bench_plan.drift(cluster, probes, ["pp2-mb2-1f1b"]) == pytest.approx((3, 3, 1))
+    assert bench_plan.drift(cluster, probes, ["serial"]) is None  # never probed
 
     slow = bench_plan.scaled(cluster, 0.5, 0.5)
     assert dict(next(iter(slow.kinds.values())).gemm[1])[1024] == table[1024] / 2
