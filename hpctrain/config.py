@@ -30,6 +30,14 @@ BALANCE = ("layers", "params")
 DP_REDUCE = ("flat", "hierarchical")
 AVERAGING = ("sync", "periodic", "post_local", "diloco", "hierarchical")
 SHARES = ("equal", "fixed", "measured")
+# the averaging hyperparameters and the strategies that read them: any other strategy
+# refuses a value other than the default, which it would ignore
+AVERAGING_USES = {
+    "average_every": ("periodic", "post_local", "diloco", "hierarchical"),
+    "sync_steps": ("post_local",),
+    "outer_lr": ("diloco",),
+    "outer_momentum": ("diloco",),
+}
 PRECISIONS = ("fp32", "bf16", "fp16")  # [train] precision (hpctrain.precision)
 GRAD_COMM_DTYPES = ("fp32", "bf16")  # [parallel] grad_comm_dtype (parallel/bf16_reduce.py)
 
@@ -381,6 +389,10 @@ def _check_averaging(par: ParallelConfig) -> None:
     _require(par.outer_lr > 0, f"outer_lr ({par.outer_lr}) must be positive")
     _require(0 <= par.outer_momentum < 1,
              f"outer_momentum ({par.outer_momentum}) must be in [0, 1)")
+    for name, users in AVERAGING_USES.items():
+        _require_used(par, name, par.averaging in users,
+                      f"averaging {' or '.join(map(repr, users))} (averaging is "
+                      f"{par.averaging!r})")
     local = par.averaging != "sync"
     _require(not local or par.zero == 0,
              f"averaging {par.averaging!r} keeps a whole optimizer on every data-parallel "
@@ -388,6 +400,8 @@ def _check_averaging(par: ParallelConfig) -> None:
     _require_choice("shares", par.shares, SHARES)
     _require(par.remeasure_every >= 1,
              f"remeasure_every ({par.remeasure_every}) must be at least 1")
+    _require_used(par, "remeasure_every", par.shares == "measured",
+                  f"shares 'measured' (shares is {par.shares!r})")
     _require(par.shares == "equal" or par.averaging in ("sync", "periodic"),
              f"shares {par.shares!r} needs averaging 'sync', or 'periodic' (throughput-"
              f"weighted local SGD); averaging is {par.averaging!r}")
@@ -399,6 +413,16 @@ def _check_averaging(par: ParallelConfig) -> None:
     _require((par.shares == "fixed") == bool(par.batch_shares),
              f"batch_shares ({list(par.batch_shares)}) go with shares 'fixed' and only "
              f"with it (shares is {par.shares!r})")
+
+
+def _require_used(par: ParallelConfig, name: str, used: bool, by: str) -> None:
+    """A setting the layout would ignore keeps its default: a value set for a strategy
+    the run does not use is refused, not dropped without a word."""
+    default = ParallelConfig.__dataclass_fields__[name].default
+    value = getattr(par, name)
+    _require(used or value == default,
+             f"{name} ({value}) is read only by {by}: choose that, or leave {name} at "
+             f"its default ({default})")
 
 
 def _check_model(m: ModelConfig, par: ParallelConfig) -> None:

@@ -154,6 +154,17 @@ def cfg(**par) -> Config:
     (dict(shares="fixed", batch_shares=(8, 4), averaging="periodic", microbatches=2),
      r"multiple of a local step's samples \(3\): \[8, 4\] are not"),
     (dict(shares="measured", remeasure_every=0), r"remeasure_every \(0\) must be at least"),
+    # a setting the run's strategy ignores is refused, not dropped without a word
+    (dict(average_every=8), r"average_every \(8\) is read only by averaging 'periodic' or "
+     r"'post_local' or 'diloco' or 'hierarchical' \(averaging is 'sync'\): choose that, "
+     r"or leave average_every at its default \(1\)"),
+    (dict(averaging="periodic", average_every=4, sync_steps=10),
+     r"sync_steps \(10\) is read only by averaging 'post_local' \(averaging is 'periodic'\)"),
+    (dict(averaging="post_local", average_every=4, outer_lr=0.3),
+     r"outer_lr \(0.3\) is read only by averaging 'diloco'"),
+    (dict(averaging="hierarchical", outer_momentum=0.5), r"outer_momentum \(0.5\) is read"),
+    (dict(shares="fixed", batch_shares=(6, 6), remeasure_every=10),
+     r"remeasure_every \(10\) is read only by shares 'measured' \(shares is 'fixed'\)"),
 ])
 def test_bad_averaging_and_shares_are_refused(par, message):
     with pytest.raises(ConfigError, match=message):
@@ -162,6 +173,10 @@ def test_bad_averaging_and_shares_are_refused(par, message):
 
 def test_good_settings_validate():
     assert cfg(averaging="diloco", average_every=8).validate(2).parallel.outer_lr == 0.7
+    # each strategy's own settings, and the others at their defaults
+    assert cfg(averaging="post_local", average_every=4, sync_steps=10).validate(2)
+    assert cfg(averaging="diloco", outer_lr=0.3, outer_momentum=0.5).validate(2)
+    assert cfg(shares="measured", remeasure_every=10).validate(2)
     assert cfg(shares="fixed", batch_shares=(8, 4)).validate(2).parallel.dp == 2
     weighted = cfg(shares="fixed", batch_shares=(9, 3), averaging="periodic", microbatches=2)
     assert weighted.validate(2).parallel.batch_shares == (9, 3)  # units of 12 / 4 = 3

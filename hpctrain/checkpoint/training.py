@@ -49,6 +49,7 @@ from hpctrain.checkpoint.state import (
     set_optimizer_step,
 )
 from hpctrain.checkpoint.writer import NonFiniteState as NonFiniteState  # raised by save
+from hpctrain.config import AVERAGING_USES
 
 CHECKPOINTS = "checkpoints"  # the folder under the run folder
 
@@ -142,12 +143,9 @@ def config_hint(saved: dict, cfg: Any) -> str:
 
 # the averaging settings a resume may change: (config field, key in the checkpoint's
 # averaging metadata or None: read from its config, the strategies that use it)
-AVERAGING_SETTINGS = (
-    ("average_every", "every", ("periodic", "post_local", "diloco", "hierarchical")),
-    ("sync_steps", "sync_steps", ("post_local",)),
-    ("outer_lr", None, ("diloco",)),
-    ("outer_momentum", None, ("diloco",)),
-)
+AVERAGING_SETTINGS = tuple(
+    (name, {"average_every": "every", "sync_steps": "sync_steps"}.get(name), users)
+    for name, users in AVERAGING_USES.items())
 
 
 def averaging_changes(meta: dict, cfg: Any) -> list[tuple[str, Any, Any]]:
