@@ -33,7 +33,7 @@ import click
 
 from hpctrain.clitypes import FiniteRange
 from hpctrain.cluster.system import alive
-from hpctrain.config import Config, ConfigError
+from hpctrain.config import Config, ConfigError, ParallelConfig
 
 RTOL = {"float64": 1e-8, "float32": 1e-4}  # --rtol's default for each --dtype
 
@@ -122,7 +122,8 @@ def prepare(cfg: Config, steps: int, dtype: str) -> tuple[Config, Config, list[s
         par, dp=1, tp=1, sp=1, pp=1, microbatches=1, virtual_stages=1, schedule="1f1b",
         sequence_parallel=False, zero=0, reshard_after_forward=True, batch_threads=1,
         dp_reduce="flat",
-        grad_comm_dtype="fp32", shares="equal", batch_shares=(), table_group=0,
+        grad_comm_dtype="fp32", shares="equal", batch_shares=(),
+        remeasure_every=ParallelConfig.remeasure_every, table_group=0,
         table_default="replicated", table_sharding=()),
         train=replace(train, recompute="none", recompute_pieces=()))
     return layout, serial, changed

@@ -132,6 +132,20 @@ def test_a_zero_3_layout_without_resharding_is_compared_with_one_rank():
     assert not layout.parallel.reshard_after_forward
 
 
+def test_a_layout_of_measured_shares_is_compared_with_one_rank_of_the_whole_batch():
+    # one rank takes the whole batch (shares 'equal'); the re-measuring period, which
+    # only shares 'measured' reads, goes back to its default with it
+    from hpctrain.check import prepare
+    from hpctrain.config import from_dict
+
+    cfg = from_dict({"model": {"n_layer": 2, "d_model": 16, "n_head": 2, "seq_len": 8},
+                     "parallel": {"shares": "measured", "remeasure_every": 5},
+                     "train": {"batch_size": 4}}).validate(2)
+    layout, serial, _ = prepare(cfg, 2, "float64")
+    assert serial.validate(1).parallel.shares == "equal"
+    assert layout.parallel.remeasure_every == 5
+
+
 def test_batchnorm_models_are_compared_at_one_microbatch():
     # BatchNorm's statistics are per microbatch: at pp 2 and 2 microbatches a correct
     # layout "DIFFERS" from one rank's whole batch (8e-3), which the check refuses instead
