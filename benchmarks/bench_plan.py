@@ -226,6 +226,16 @@ def probe_tag(name: str, round_: int) -> str:
     return f"{name}-r{round_}"
 
 
+def drop_probes(out: str, names: list[str]) -> None:
+    """Remove from ``probe.json`` every probe of ``names``: ``measure`` runs them again
+    (on a cluster with probes of its own, on this machine without)."""
+    path = Path(out) / "probe.json"
+    if path.exists():
+        kept = {k: v for k, v in json.loads(path.read_text()).items()
+                if k.rsplit("-r", 1)[0] not in names}
+        path.write_text(json.dumps(kept, indent=2))
+
+
 def drift(cluster, probes: dict, names: list[str]) -> tuple[float, float, int] | None:
     """How the one-rank-a-node GEMM and stream rates probed beside the timed runs of
     ``names`` compare with ``cluster``'s description: (GEMM factor, stream factor,
@@ -234,10 +244,12 @@ def drift(cluster, probes: dict, names: list[str]) -> tuple[float, float, int] |
     without probes. Pooled over the run, not per layout: one probe of 3 samples reads
     +-10% from the next, more than the run drifted from its first probe to its last
     (2026-12-07: 57 probes over 37 minutes, no trend)."""
+    if len(cluster.kinds) != 1:  # the emulated nodes are of one kind
+        return None
     kind = next(iter(cluster.kinds.values()))
     table = dict(kind.gemm.get(1, ()))
     got = [v for k, v in sorted(probes.items()) if k.rsplit("-r", 1)[0] in names]
-    if not got or not table or not kind.stream or 1 not in kind.stream:
+    if not got or any(n not in table for n in PROBE_SIZES) or 1 not in (kind.stream or {}):
         return None
     gemm = [statistics.geometric_mean([p["gemm"][str(n)] / table[n] for n in PROBE_SIZES])
             for p in got]
@@ -290,13 +302,14 @@ def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None,
     Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(out) / "load.json"
     loads = json.loads(path.read_text()) if path.exists() else {}
+    drop_probes(out, names)  # an earlier run's, of other nodes or more rounds
     for k in range(1, rounds + 1):
         for name in names if k % 2 else names[::-1]:
             ranks = LAYOUTS[name][0]
+            before = os.getloadavg()[0]
             if cluster is not None:  # the nodes' rates now, for compare's drift
                 launch(ranks, ["probe-worker", "--out", out, "--tag", probe_tag(name, k)],
                        cluster=cluster)
-            before = os.getloadavg()[0]
             t0 = time.perf_counter()
             port0, cpu0 = _port_bytes(cluster), _node_cpu_s(cluster)
             launch(ranks, ["worker", name, "--out", out, "--steps", str(steps),

@@ -390,9 +390,7 @@ def _check_averaging(par: ParallelConfig) -> None:
     _require(0 <= par.outer_momentum < 1,
              f"outer_momentum ({par.outer_momentum}) must be in [0, 1)")
     for name, users in AVERAGING_USES.items():
-        _require_used(par, name, par.averaging in users,
-                      f"averaging {' or '.join(map(repr, users))} (averaging is "
-                      f"{par.averaging!r})")
+        _require_used(par, name, "averaging", users)
     local = par.averaging != "sync"
     _require(not local or par.zero == 0,
              f"averaging {par.averaging!r} keeps a whole optimizer on every data-parallel "
@@ -400,8 +398,7 @@ def _check_averaging(par: ParallelConfig) -> None:
     _require_choice("shares", par.shares, SHARES)
     _require(par.remeasure_every >= 1,
              f"remeasure_every ({par.remeasure_every}) must be at least 1")
-    _require_used(par, "remeasure_every", par.shares == "measured",
-                  f"shares 'measured' (shares is {par.shares!r})")
+    _require_used(par, "remeasure_every", "shares", ("measured",))
     _require(par.shares == "equal" or par.averaging in ("sync", "periodic"),
              f"shares {par.shares!r} needs averaging 'sync', or 'periodic' (throughput-"
              f"weighted local SGD); averaging is {par.averaging!r}")
@@ -415,14 +412,17 @@ def _check_averaging(par: ParallelConfig) -> None:
              f"with it (shares is {par.shares!r})")
 
 
-def _require_used(par: ParallelConfig, name: str, used: bool, by: str) -> None:
-    """A setting the layout would ignore keeps its default: a value set for a strategy
-    the run does not use is refused, not dropped without a word."""
+def _require_used(par: ParallelConfig, name: str, option: str, users: tuple[str, ...]) -> None:
+    """A setting the run's ``option`` (averaging, shares) would ignore keeps its
+    default: a value set for a strategy the run does not use is refused, not dropped
+    without a word."""
     default = ParallelConfig.__dataclass_fields__[name].default
-    value = getattr(par, name)
-    _require(used or value == default,
-             f"{name} ({value}) is read only by {by}: choose that, or leave {name} at "
-             f"its default ({default})")
+    value, chosen = getattr(par, name), getattr(par, option)
+    named = ", ".join(map(repr, users[:-1])) + " or " * (len(users) > 1) + repr(users[-1])
+    _require(chosen in users or value == default,
+             f"{name} ({value}) is read only by {option} {named} ({option} is {chosen!r}): "
+             f"use {'one of them' if len(users) > 1 else 'it'}, or leave {name} at its "
+             f"default ({default})")
 
 
 def _check_model(m: ModelConfig, par: ParallelConfig) -> None:

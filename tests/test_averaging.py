@@ -155,11 +155,12 @@ def cfg(**par) -> Config:
      r"multiple of a local step's samples \(3\): \[8, 4\] are not"),
     (dict(shares="measured", remeasure_every=0), r"remeasure_every \(0\) must be at least"),
     # a setting the run's strategy ignores is refused, not dropped without a word
-    (dict(average_every=8), r"average_every \(8\) is read only by averaging 'periodic' or "
-     r"'post_local' or 'diloco' or 'hierarchical' \(averaging is 'sync'\): choose that, "
+    (dict(average_every=8), r"average_every \(8\) is read only by averaging 'periodic', "
+     r"'post_local', 'diloco' or 'hierarchical' \(averaging is 'sync'\): use one of them, "
      r"or leave average_every at its default \(1\)"),
     (dict(averaging="periodic", average_every=4, sync_steps=10),
-     r"sync_steps \(10\) is read only by averaging 'post_local' \(averaging is 'periodic'\)"),
+     r"sync_steps \(10\) is read only by averaging 'post_local' \(averaging is 'periodic'\): "
+     r"use it, or leave sync_steps at its default \(0\)"),
     (dict(averaging="post_local", average_every=4, outer_lr=0.3),
      r"outer_lr \(0.3\) is read only by averaging 'diloco'"),
     (dict(averaging="hierarchical", outer_momentum=0.5), r"outer_momentum \(0.5\) is read"),

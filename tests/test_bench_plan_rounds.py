@@ -108,6 +108,8 @@ def test_drift_is_the_probed_rates_over_the_described_ones(bench_plan):
     description's one-rank-a-node tables: per probe the GEMM factor is the geometric
     mean over the probed sizes, and the run's factors the medians over its probes; the
     scaled description predicts a compute-bound layout that much slower."""
+    from dataclasses import replace
+
     from hpctrain.plan.cluster import load_cluster
     from hpctrain.plan.cost import estimate
 
@@ -129,6 +131,8 @@ def test_drift_is_the_probed_rates_over_the_described_ones(bench_plan):
     assert stream == pytest.approx(0.8)
     assert bench_plan.drift(cluster, probes, ["pp2-mb2-1f1b"]) == pytest.approx((3, 3, 1))
     assert bench_plan.drift(cluster, probes, ["serial"]) is None  # never probed
+    kinds = {n: replace(k, gemm={1: k.gemm[1][:3]}) for n, k in cluster.kinds.items()}
+    assert bench_plan.drift(replace(cluster, kinds=kinds), probes, ["dp2"]) is None  # n <= 256
 
     slow = bench_plan.scaled(cluster, 0.5, 0.5)
     assert dict(next(iter(slow.kinds.values())).gemm[1])[1024] == table[1024] / 2
@@ -136,3 +140,15 @@ def test_drift_is_the_probed_rates_over_the_described_ones(bench_plan):
     one = bench_plan.first_nodes
     base, half = (estimate(cfg, one(c, 1)).step_s for c in (cluster, slow))
     assert half == pytest.approx(2 * base, rel=0.05)  # serial: compute and element-wise
+
+
+def test_a_new_measurement_drops_the_probes_of_its_layouts(bench_plan, tmp_path):
+    """Probes of an earlier run (other nodes, more rounds) of the layouts measured again
+    are dropped; the other layouts' stay."""
+    import json
+
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"dp2-r1": {}, "dp2-r3": {}, "tp2-r1": {}}))
+    bench_plan.drop_probes(str(tmp_path), ["dp2"])
+    assert json.loads(path.read_text()) == {"tp2-r1": {}}
+    bench_plan.drop_probes(str(tmp_path / "none"), ["dp2"])  # no file: nothing to do

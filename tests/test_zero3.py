@@ -117,14 +117,17 @@ def test_planner_estimate_at_zero_3_shards_parameters_and_adds_the_gathered_piec
 def test_planner_zero3_transient_memory_by_hand():
     """What zero3.py holds during a step, per tp rank: with resharding two pieces
     gathered (the one in use, the next prefetched), without it every piece of the
-    stage; with one microbatch two pieces' whole gradients (the one in backward, and
-    the one before it, whose reduce-scatter is reaped when the next piece ends), every
-    piece's with more (each lives from its first backward to the last microbatch's);
-    at dp 1 nothing is gathered and one piece's gradient is whole. Measured at dp 2 on
-    a 12-layer GPT (d_model 128) with --memory-report, the prediction of 4 microbatches
-    went from -35% to -8% of the traced peak, without resharding from -23% to -3%
-    (ZeRO-1 on the same model: -8%); the second gradient took the benchmark GPT at
-    dp 4 from -7.8% to -4.4% (1 microbatch, 4 emulated nodes)."""
+    stage. Whole gradients: with one microbatch two pieces' (the one in backward, and
+    the one before it, whose reduce-scatter is reaped when the next piece ends), one
+    without resharding (the piece before has freed its gathered parameters) or at dp 1
+    (nothing gathered, a gradient copied to its shard at once); every piece's with
+    more microbatches (each lives from its first backward to the last microbatch's)
+    or in a pipeline (a chunk's gradients are reported when its whole backward ends);
+    a tied token table's through the whole backward. Measured at dp 2 on a 12-layer
+    GPT (d_model 128) with --memory-report, the prediction of 4 microbatches went from
+    -35% to -8% of the traced peak, without resharding from -23% to -3% (ZeRO-1 on the
+    same model: -8%); the second gradient took the benchmark GPT at dp 4 from -7.8% to
+    -4.3% (1 microbatch, 4 emulated nodes)."""
     m = make().model
     from hpctrain.models.registry import model_class
 
@@ -132,14 +135,18 @@ def test_planner_zero3_transient_memory_by_hand():
     big = max([costs.first, *costs.middle, costs.last])
     stage = 10 * big
 
-    def held(tp=1, mb=1, reshard=True, dp=2):
-        return mem.zero3_transient_bytes(m, tp, 4, stage / tp, mb, reshard, dp)
+    def held(tp=1, mb=1, reshard=True, dp=2, pipelined=False, model=m):
+        return mem.zero3_transient_bytes(model, tp, 4, stage / tp, mb, reshard, dp, pipelined)
     assert held() == 4 * 4 * big
     assert held(mb=4) == 4 * (2 * big + stage)
-    assert held(reshard=False) == 4 * (stage + 2 * big)
+    assert held(pipelined=True) == held(mb=4) == held(mb=4, pipelined=True)
+    assert held(reshard=False) == 4 * (stage + big)
     assert held(mb=4, reshard=False) == 4 * 2 * stage
     assert held(dp=1) == held(dp=1, reshard=False) == 4 * big
     assert held(tp=2, mb=4) == 4 * (2 * big + stage) / 2
+    tied = replace(m, tie_embeddings=True)
+    assert held(model=tied) == held() + 4 * costs.first
+    assert held(model=tied, mb=4) == held(mb=4)  # every piece's already
 
 
 class Group:

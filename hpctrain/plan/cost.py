@@ -494,9 +494,9 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
                                          n_chunks - 1 in chunks, e.work)
         work = max(work, e.state * max(sizes))  # the optimizer's scratch
         buckets = params if par.zero == 2 else 0  # whole gradients during backward
-        if par.zero == 3:  # gathered pieces, whole gradients of two pieces
+        if par.zero == 3:  # gathered pieces, whole gradients in backward
             buckets = mem.zero3_transient_bytes(m, tp, e.state, sum(sizes), mb,
-                                                par.reshard_after_forward, dp)
+                                                par.reshard_after_forward, dp, pp > 1)
         retained = 0
         if pp > 1 and practice.keeps_whole_model:  # the other stages' data and grad
             whole = sum(mem.rank_param_sizes(m, tp, 1, 1, par.balance, 0))

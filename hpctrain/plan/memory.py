@@ -325,22 +325,33 @@ def _padded(sizes: tuple[int, ...], s: int, bucket_mb: float, dp: int) -> int:
 
 
 def zero3_transient_bytes(m, tp: int, s: int, stage_numel: int = 0, microbatches: int = 1,
-                          reshard: bool = True, dp: int = 2) -> int:
+                          reshard: bool = True, dp: int = 2, pipelined: bool = False) -> int:
     """ZeRO-3's gathered state during a step (``parallel/zero3.py``), ``s`` bytes an
     element, pieces by the model's ``piece_costs`` (for the GPT parameter counts) per tp
     rank. Gathered parameters: the piece in use and the next one prefetched (two of
     the largest), or, without ``reshard`` after the forward, every piece of this rank
-    (``stage_numel`` elements) from its forward to its backward. Whole gradients: a
-    unit's lives from its first backward to the end of its reduce-scatter, posted when
-    the last microbatch's backward of the unit ends and reaped when the next piece's
-    ends: with one microbatch two pieces' (the one in backward and the one before it,
-    still reducing), every piece of this rank's with more. At ``dp`` 1 a shard is its
-    whole unit: nothing is gathered, and a gradient is copied to its shard at once."""
+    (``stage_numel`` elements) from its forward to its backward.
+
+    Whole gradients: a unit's lives from its first backward until its reduce-scatter
+    completes, posted when the engine reports the unit's parameters final and reaped
+    when the next piece ends. With several microbatches, or in a pipeline (which
+    reports a chunk's gradients when its whole backward ends), every piece of this
+    rank's. Otherwise two pieces' (the one in backward, and the one before it, still
+    reducing); one without ``reshard`` (the piece before has freed its gathered
+    parameters, counted in ``whole``) or at ``dp`` 1 (a shard is its whole unit:
+    nothing is gathered, a gradient is copied to its shard at once). A tied token
+    table (``tie_embeddings``, one stage) is bound by the head's backward and reported
+    after the embedding's: its gradient lives through the whole backward."""
     from hpctrain.models.registry import model_class
 
     costs = model_class(m.kind).piece_costs(m)
     largest = max([costs.first, *costs.middle, costs.last]) / tp
     whole = max(stage_numel, largest)
     gathered = 0 if dp == 1 else 2 * largest if reshard else whole
-    grads = (largest if dp == 1 else 2 * largest) if microbatches == 1 else whole
+    if microbatches > 1 or pipelined:
+        grads = whole
+    else:
+        grads = largest if dp == 1 or not reshard else 2 * largest
+        if getattr(m, "tie_embeddings", False):
+            grads += costs.first / tp
     return int(s * (gathered + grads))
