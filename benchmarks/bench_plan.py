@@ -151,6 +151,12 @@ def layout_config(name: str, steps: int, run_dir: str, threads: int = 0):
 # MPI workers
 
 
+def read_json(path: Path) -> dict:
+    """A result file of the run folder (``load.json``, ``stream.json``, ``probe.json``),
+    or {} before the first result."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def run_dir_of(out: str, name: str, tag: str, round_: int = 1) -> Path:
     """Where a worker's run writes: ``{name}-memory``, ``{name}-time`` (round 1) and
     ``{name}-time-rK`` (round K > 1)."""
@@ -192,7 +198,7 @@ def stream_worker(out: str) -> None:
     rates = stream_rates(comm, sustained=True)
     if comm.Get_rank() == 0:
         path = Path(out) / "stream.json"
-        got = json.loads(path.read_text()) if path.exists() else {}
+        got = read_json(path)
         got[str(comm.Get_size())] = statistics.median(rates)
         path.write_text(json.dumps(got, indent=2))
 
@@ -216,7 +222,7 @@ def probe_worker(out: str, tag: str) -> None:
     stream = stream_rates(comm, repeats=3, sustained=True)
     if comm.Get_rank() == 0:
         path = Path(out) / "probe.json"
-        got = json.loads(path.read_text()) if path.exists() else {}
+        got = read_json(path)
         got[tag] = {"gemm": {str(n): statistics.median(r) for n, r in gemm.items()},
                     "stream": statistics.median(stream)}
         path.write_text(json.dumps(got, indent=2))
@@ -226,13 +232,17 @@ def probe_tag(name: str, round_: int) -> str:
     return f"{name}-r{round_}"
 
 
+def probe_layout(tag: str) -> str:
+    """The layout a ``probe_tag`` names."""
+    return tag.rsplit("-r", 1)[0]
+
+
 def drop_probes(out: str, names: list[str]) -> None:
     """Remove from ``probe.json`` every probe of ``names``: ``measure`` runs them again
     (on a cluster with probes of its own, on this machine without)."""
     path = Path(out) / "probe.json"
     if path.exists():
-        kept = {k: v for k, v in json.loads(path.read_text()).items()
-                if k.rsplit("-r", 1)[0] not in names}
+        kept = {k: v for k, v in read_json(path).items() if probe_layout(k) not in names}
         path.write_text(json.dumps(kept, indent=2))
 
 
@@ -248,7 +258,7 @@ def drift(cluster, probes: dict, names: list[str]) -> tuple[float, float, int] |
         return None
     kind = next(iter(cluster.kinds.values()))
     table = dict(kind.gemm.get(1, ()))
-    got = [v for k, v in sorted(probes.items()) if k.rsplit("-r", 1)[0] in names]
+    got = [v for k, v in sorted(probes.items()) if probe_layout(k) in names]
     if not got or any(n not in table for n in PROBE_SIZES) or 1 not in (kind.stream or {}):
         return None
     gemm = [statistics.geometric_mean([p["gemm"][str(n)] / table[n] for n in PROBE_SIZES])
@@ -301,7 +311,7 @@ def measure(out: str, steps: int, warmup: int, names: list[str], cluster=None,
         raise ValueError(f"rounds ({rounds}) must be at least 1")
     Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(out) / "load.json"
-    loads = json.loads(path.read_text()) if path.exists() else {}
+    loads = read_json(path)
     drop_probes(out, names)  # an earlier run's, of other nodes or more rounds
     for k in range(1, rounds + 1):
         for name in names if k % 2 else names[::-1]:
@@ -450,10 +460,10 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     whole, added = with_stream(load_cluster(cluster_path), out)
     rows, pred, meas, by_round = [], [], [], []
     path = Path(out) / "load.json"
-    loads = json.loads(path.read_text()) if path.exists() else {}
+    loads = read_json(path)
     got = any(loads.get(n, {}).get("cores_got") for n in names)  # only on a cluster
     path = Path(out) / "probe.json"
-    probes = json.loads(path.read_text()) if path.exists() else {}
+    probes = read_json(path)
     factors = drift(whole, probes, names)
     probed = factors is not None
     head = ("| layout | ranks | predicted ms | measured ms | error | "

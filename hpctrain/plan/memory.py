@@ -352,6 +352,6 @@ def zero3_transient_bytes(m, tp: int, s: int, stage_numel: int = 0, microbatches
         grads = whole
     else:
         grads = largest if dp == 1 or not reshard else 2 * largest
-        if getattr(m, "tie_embeddings", False):
+        if m.tie_embeddings:
             grads += costs.first / tp
     return int(s * (gathered + grads))
