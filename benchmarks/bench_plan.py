@@ -466,6 +466,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
     probes = read_json(path)
     factors = drift(whole, probes, names)
     probed = factors is not None
+    at_rates = scaled(whole, *factors[:2]) if probed else None  # the run's probed rates
     head = ("| layout | ranks | predicted ms | measured ms | error | "
             + ("at probed rates: ms, error | " if probed else "")
             + "predicted MiB | measured MiB | error | largest predicted terms |"
@@ -484,8 +485,7 @@ def compare(out: str, cluster_path: str, warmup: int, names: list[str]) -> str:
         by_round.append(rounds)
         rows.append((name, err, merr))
         if probed:
-            at_probed.append(estimate(cfg, first_nodes(scaled(whole, *factors[:2]),
-                                                       ranks)).step_s)
+            at_probed.append(estimate(cfg, first_nodes(at_rates, ranks)).step_s)
         top = sorted(e.shares.items(), key=lambda kv: -kv[1])[:3]
         terms = ", ".join(f"{k} {100 * v:.0f}%" for k, v in top if v > 0.005)
         spread = (f" ({1e3 * min(rounds):.0f}-{1e3 * max(rounds):.0f})"
