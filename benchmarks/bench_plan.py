@@ -113,6 +113,8 @@ LAYOUTS = {
                                "schedule": "interleaved", "virtual_stages": 3}),
     "dp2-pp2-mb2-int-v3": (4, {"dp": 2, "pp": 2, "microbatches": 2,
                                "schedule": "interleaved", "virtual_stages": 3}),
+    "dp2-pp2-mb4-int-v3-z1": (4, {"dp": 2, "pp": 2, "microbatches": 4, "zero": 1,
+                                  "schedule": "interleaved", "virtual_stages": 3}),
     "dp2-pp2-mb4-1f1b": (4, {"dp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b"}),
     "dp4-mb2": (4, {"dp": 4, "microbatches": 2}),
     "tp2-dp2-mb2": (4, {"tp": 2, "dp": 2, "microbatches": 2}),

@@ -222,8 +222,13 @@ def _set(path, value):
     (_set(["kinds", 0, "cores"], 2.0), "kinds[0].cores (2.0) must be a positive integer"),
     (_set(["nodes", 0, "count"], True), "nodes[0].count (true) must be a positive integer"),
     (_set(["kinds", 0, "memory_gib"], True), "kinds[0].memory_gib (true) must be a number"),
-    (_set(["kinds", 0, "comm_cpu_s_per_byte"], float("nan")),
-     "kinds[0].comm_cpu_s_per_byte (nan) must be a finite number"),
+    (_set(["kinds", 0, "comm_slowdown"], float("nan")),
+     "kinds[0].comm_slowdown (nan) must be a finite number"),
+    (_set(["kinds", 0, "compute_slowdown"], 0.5),
+     "kinds[0].compute_slowdown (0.5) must be 1 or more"),
+    # a field of an older description, named with what replaced it
+    (_set(["kinds", 0, "comm_overlap"], 0.9),
+     "kinds[0]: comm_overlap was replaced by comm_slowdown and compute_slowdown"),
     # names
     (_set(["kinds", 0, "name"], 5), "kinds[0].name (5) must be a non-empty string"),
     (_set(["nodes", 0, "kind"], ["cpu"]),

@@ -344,36 +344,52 @@ def test_pipeline_buckets_wait_for_their_whole_chunk():
 def test_buckets_go_over_the_link_one_after_the_other_by_hand():
     """Three buckets of 100 bytes ready at 0, 0.5 and 1.0 s of a step whose compute ends
     at 1.0 s, each all-reduce 0.3 s (dp 2: 100 bytes sent at 1000/3 B/s): the first two
-    finish under compute, the last runs 0.3 s past it. With a CPU cost a byte, the two
-    that ran under compute take 200 bytes of it; a sum entirely after the compute
-    (dp_overlap off) takes none, and comm_overlap 0 exposes the whole 0.9 s."""
+    finish under compute, the last runs 0.3 s past it; all three after the compute
+    (dp_overlap off), 0.9 s."""
     cfg = make(world=2, dp=2)
     c = cluster(latency=0.0, bandwidth=1000 / 3)
     buckets = [(100, 0.0), (100, 0.5), (100, 1.0)]
     assert cost.dp_time(cfg, c, buckets, 1.0, 2, False) == pytest.approx(0.3)
-    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, cpu_per_byte=1e-4) == \
-        pytest.approx(0.3 + 200 * 1e-4)
     late = [(100, 1.0)] * 3
-    assert cost.dp_time(cfg, c, late, 1.0, 2, False, cpu_per_byte=1e-4) == pytest.approx(0.9)
-    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, hidden=0.0) == pytest.approx(0.9)
+    assert cost.dp_time(cfg, c, late, 1.0, 2, False) == pytest.approx(0.9)
     # a bucket that waits for the one before it: ready at 0.1, starts at 0.3
     assert cost.dp_time(cfg, c, [(100, 0.0), (100, 0.1), (100, 0.2)], 0.5, 2, False) == \
         pytest.approx(0.4)
+    # slowed beside the compute (the by-hand cases of test_beside_...): the same buckets
+    # take 2 x as long while the compute runs, and the compute 1.25 x
+    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, (2.0, 1.25)) == \
+        pytest.approx(cost.beside([(0.3, 0.0), (0.3, 0.5), (0.3, 1.0)], 1.0, 1.0, 2.0, 1.25))
 
 
-def test_a_cpu_cost_a_byte_is_described_and_priced():
-    from dataclasses import replace
-
-    from hpctrain.plan.cluster import ClusterError, to_toml
-
-    c = cluster()
-    kind = replace(c.kinds["cpu"], comm_cpu_s_per_byte=2e-9)
-    c = replace(c, kinds={"cpu": kind})
-    back = from_dict(__import__("tomllib").loads(to_toml(c)))
-    assert back.kinds["cpu"].comm_cpu_s_per_byte == pytest.approx(2e-9)
-    raw = __import__("tomllib").loads(to_toml(c).replace("2.0000e-09", "-1.0"))
-    with pytest.raises(ClusterError, match=r"comm_cpu_s_per_byte \(-1.0\) must be 0 or more"):
-        from_dict(raw)
+def test_beside_shares_the_node_between_a_sum_and_the_compute_by_hand():
+    """A sum beside 1 s of compute, by hand. Slowdowns 1 (each as if alone): a sum of
+    0.3 s ready at once ends inside it, nothing exposed. Sum 2 x, compute 1.25 x: while
+    both run the sum moves at 0.5 and the compute at 0.8, so the 0.3 s sum ends at 0.6
+    s of wall time with the compute at 0.48; the other 0.52 s of compute alone end the
+    step at 1.12 s: 0.12 exposed (the compute's own loss)."""
+    assert cost.beside([(0.3, 0.0)], 1.0, 1.0) == pytest.approx(0.0)
+    assert cost.beside([(0.3, 0.0)], 1.0, 1.0, 2.0, 1.25) == pytest.approx(0.12)
+    # 0.6 s alone: the compute's 1 s at 0.8 takes 1.25 s wall, in which the sum moves
+    # 0.625 s of its 0.6: it ends first, at 1.2 s wall with the compute at 0.96; the
+    # last 0.04 s of compute alone: 1.24 s, 0.24 exposed
+    assert cost.beside([(0.6, 0.0)], 1.0, 1.0, 2.0, 1.25) == pytest.approx(0.24)
+    # 1.0 s alone: the compute ends at 1.25 s wall, the sum 0.625 done; 0.375 s alone
+    assert cost.beside([(1.0, 0.0)], 1.0, 1.0, 2.0, 1.25) == pytest.approx(0.625)
+    assert cost.beside([(0.3, 1.0)], 1.0, 1.0, 2.0, 1.25) == pytest.approx(0.3)
+    # ready at 0.5 of the compute's own clock, which the sum before it slowed: sums of
+    # 0.2 at 0 and 0.2 at 0.5; the first ends at 0.4 wall (compute at 0.32), the
+    # compute alone reaches 0.5 at 0.58, the second runs 0.4 wall to 0.98 (compute at
+    # 0.82), the compute's last 0.18 end at 1.16: 0.16 exposed
+    assert cost.beside([(0.2, 0.0), (0.2, 0.5)], 1.0, 1.0, 2.0, 1.25) == pytest.approx(0.16)
+    # a stage that computes until 0.5 and waits for the others until 1.0: a sum of 0.8
+    # from 0 runs beside the compute until it ends at 0.625 wall (0.3125 of the sum
+    # done), the other 0.4875 alone: 1.1125, 0.1125 past the makespan; with 0.4 alone,
+    # inside the wait: nothing exposed
+    assert cost.beside([(0.8, 0.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.1125)
+    assert cost.beside([(0.4, 0.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.0)
+    # a sum ready after the stage's compute (the sums after the step, dp_overlap off)
+    # starts at its ready time
+    assert cost.beside([(0.3, 1.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.3)
 
 
 # ---------------------------------------------------------------------------------

@@ -110,70 +110,65 @@ def test_the_search_runs_on_one_core_nodes_one_rank_each():
     assert found.ranked and all(e.ranks_per_node == 1 for e in found.ranked)
 
 
-def test_the_share_of_a_sum_hidden_under_compute_is_described_and_priced():
-    """comm_overlap: read, TOML round-trips it, and the cost model uses it: exposed =
-    reduction - overlap * window, so 0 exposes the whole sum and a share in between
-    exposes that share of the hidden part again."""
+def test_the_slowdowns_of_a_sum_beside_compute_are_described_and_priced():
+    """comm_slowdown and compute_slowdown: read, TOML round-trips them, and the cost
+    model uses them for a sum across nodes: 1 and 1 (the default) price the sum as if
+    the node had an adapter of its own; slower sums and slower compute expose more, and
+    the sum after the backward (no overlap) bounds a sum that is only slowed."""
     from dataclasses import replace
 
     c, _ = emulated.describe(measured())
-    assert c.kinds["node"].comm_overlap == 1.0  # the default: all it can
-    c = replace(c, kinds={"node": replace(c.kinds["node"], comm_overlap=0.25)})
+    kind = c.kinds["node"]
+    assert (kind.comm_slowdown, kind.compute_slowdown) == (1.0, 1.0)  # none measured
+    c = replace(c, kinds={"node": replace(kind, comm_slowdown=2.5, compute_slowdown=1.3)})
     back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c)))
-    assert back.kinds["node"].comm_overlap == 0.25
+    assert (back.kinds["node"].comm_slowdown, back.kinds["node"].compute_slowdown) == (2.5, 1.3)
 
-    cfg = make(2, dp=2, bucket_mb=0.001)  # tiny buckets: the window is the last backward
-    fast = one_core_nodes(2, inter_bandwidth=1e5)
-    dp = {share: cost.estimate(cfg, one_core_nodes(2, inter_bandwidth=1e5,
-                                                   comm_overlap=share)).ranks[0].time["dp"]
-          for share in (0.0, 0.5, 1.0)}
-    whole = cost.estimate(cfg, fast, practice=cost.Practice(dp_overlap=False)).ranks[0]
-    assert dp[0.0] == pytest.approx(whole.time["dp"]) and dp[0.0] > dp[0.5] > dp[1.0]
-    assert dp[1.0] == pytest.approx(cost.estimate(cfg, fast).ranks[0].time["dp"])
-    assert dp[0.0] - dp[0.5] == pytest.approx(dp[0.5] - dp[1.0])  # linear in the share
+    cfg = make(2, dp=2, bucket_mb=0.001)  # tiny buckets, ready through the backward;
+    # at 100 MB/s their sum alone about as long as the compute
 
+    def dp(**slow):
+        e = cost.estimate(cfg, one_core_nodes(2, inter_bandwidth=1e8, **slow))
+        return e.ranks[0].time["dp"]
 
-@pytest.mark.parametrize("share", [-0.1, 1.5, "all", True])
-def test_a_bad_overlap_share_is_named(share):
-    with pytest.raises(cl.ClusterError, match=r"comm_overlap .* must be a number from 0 to 1"):
-        one_core_nodes(2, comm_overlap=share)
+    free = dp()
+    assert dp(comm_slowdown=2.0) > free and dp(compute_slowdown=1.5) > free
+    assert dp(comm_slowdown=3.0) > dp(comm_slowdown=2.0)
+    after = cost.estimate(cfg, one_core_nodes(2, inter_bandwidth=1e8),
+                          practice=cost.Practice(dp_overlap=False)).ranks[0].time["dp"]
+    assert free < dp(comm_slowdown=1e6) <= after * (1 + 1e-9)
 
 
-def test_the_cpu_a_byte_costs_is_the_slope_over_the_bytes_sent():
-    """cpu_per_byte: time = steps * latency + bytes sent * c on unshaped links gives c
-    back whatever the latency (the slope between the two largest messages), the median
-    over ops and group sizes; no samples, 0; describe puts it on the node kind."""
-    c = 2.5e-9
-    samples = [Sample(op, p, n, 1e-3 * cl.steps(op, p) + c * cl.volume(op, p, n))
-               for op in cl.OPS for p in (2, 4) for n in (1 << 20, 1 << 22, 1 << 24)]
-    assert emulated.cpu_per_byte(samples) == pytest.approx(c)
-    assert emulated.cpu_per_byte([]) == 0.0
-    from dataclasses import replace
-
-    kind = emulated.describe(replace(measured(), unshaped=tuple(samples)))[0].kinds["node"]
-    assert kind.comm_cpu_s_per_byte == pytest.approx(c)
-    assert emulated.describe(measured())[0].kinds["node"].comm_cpu_s_per_byte == 0.0
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("comm_slowdown", 0.5, "comm_slowdown (0.5) must be 1 or more"),
+    ("compute_slowdown", -1, "compute_slowdown (-1) must be positive"),
+    ("comm_slowdown", "fast", "comm_slowdown ('fast') must be a number"),
+    ("compute_slowdown", True, "compute_slowdown (true) must be a number")])
+def test_a_bad_slowdown_is_named(field, value, message):
+    with pytest.raises(cl.ClusterError) as err:
+        one_core_nodes(2, **{field: value})
+    assert f"kinds[0].{message}" in str(err.value)
 
 
-def test_the_hidden_share_of_a_sum_follows_the_cost_models_form():
-    """``comm_overlap`` solves the model's exposure for the measured one: a sum
-    launched at once beside a longer compute is exposed by h * cpu + (1 - h) * comm."""
+def test_the_slowdowns_are_read_off_the_sum_beside_the_products():
+    """A sum of 0.4 s alone that ends 1.0 s into the loop beside it (2.5 x), the loop
+    taking 2.2 s against 2.0 alone: 0.2 s lost in the 1.0 s the sum ran, so the compute
+    ran at 0.8 of its rate (1.25 x). Never below 1; a sum that did not end inside the
+    loop, or a loss longer than the sum, is an error naming the values. describe puts
+    both on the node kind, the report says so."""
     from hpctrain.plan import overlap
 
-    base = {"compute_s": 1.0, "comm_s": 0.4, "nbytes": 4e6, "buckets": 4.0, "ranks": 4.0}
-    cpu_per_byte = 0.1 / (4 * cl.volume("all_reduce", 4, 1e6))  # 0.1 s for the whole sum
-    assert overlap.hidden_share({**base, "both_s": 1.1}, cpu_per_byte) == pytest.approx(1.0)
-    assert overlap.hidden_share({**base, "both_s": 1.4}, cpu_per_byte) == pytest.approx(0.0)
-    h = overlap.hidden_share({**base, "both_s": 1.25}, cpu_per_byte)
-    assert h == pytest.approx(0.5)  # 0.25 = 0.5 * 0.1 + 0.5 * 0.4
-    assert overlap.hidden_share({**base, "both_s": 0.9}, 0.0) == 1.0  # faster than alone
-    assert overlap.hidden_share({**base, "both_s": 2.0}, cpu_per_byte) == 0.0  # clipped
-    # and the description carries it, the report saying so
-    m = measured()
-    m = emulated.Measured(**{**m.__dict__, "overlap": {**base, "both_s": 1.25}})
+    base = {"compute_s": 2.0, "comm_s": 0.4, "nbytes": 4e6, "buckets": 4.0, "ranks": 4.0}
+    assert overlap.slowdowns({**base, "done_s": 1.0, "both_s": 2.2}) == \
+        pytest.approx((2.5, 1.25))
+    assert overlap.slowdowns({**base, "done_s": 0.3, "both_s": 1.9}) == (1.0, 1.0)
+    with pytest.raises(ValueError, match=r"did not end inside it \(done_s inf"):
+        overlap.slowdowns({**base, "done_s": float("inf"), "both_s": 2.2})
+    with pytest.raises(ValueError, match=r"lost 1.500 s beside a sum that ran 1.000 s"):
+        overlap.slowdowns({**base, "done_s": 1.0, "both_s": 3.5})
+    m = emulated.Measured(**{**measured().__dict__,
+                             "overlap": {**base, "done_s": 1.0, "both_s": 2.2}})
     c, report = emulated.describe(m)
-    assert c.kinds["node"].comm_overlap == pytest.approx(1 - 0.25 / 0.4)  # no CPU measured
-    assert any("comm_overlap" in line for line in report)
-    back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c)))
-    assert back.kinds["node"].comm_overlap == pytest.approx(c.kinds["node"].comm_overlap,
-                                                            abs=1e-3)
+    kind = c.kinds["node"]
+    assert (kind.comm_slowdown, kind.compute_slowdown) == pytest.approx((2.5, 1.25))
+    assert any("(comm_slowdown)" in line and "(compute_slowdown)" in line for line in report)

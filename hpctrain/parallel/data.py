@@ -218,6 +218,7 @@ class GradBuckets:
         self._requests: list = []  # touched by the helper while it runs, else by wait
         self._launched: list[tuple[int, float]] = []  # (bucket, launch time) in flight
         self.early = 0
+        self.reduced = 0  # buckets seen reduced this step (read by overlap.py while it runs)
 
     def zero(self) -> None:
         """Zero every gradient (allocating the buffers if released); a step begins."""
@@ -313,6 +314,7 @@ class GradBuckets:
     def _trace_completed(self) -> None:
         """A span per bucket in flight, from its launch to now (seen complete)."""
         now = time.perf_counter()
+        self.reduced += len(self._launched)
         for index, start in self._launched:
             trace.active().add(f"bucket {index}", "dp_comm", start, now, bucket=index,
                                track="dp buckets")  # beside the backward, not in it

@@ -713,9 +713,8 @@ def calibrate_command(out: str, ranks_per_node, sizes, messages, repeats, name, 
     + volume(p, n) / bandwidth (hpctrain/plan/cluster.py). One node is measured: the
     inter-node links are copies of the intra-node ones, and the file says so.
     With --emulated, an emulated cluster of one-core nodes is built, measured across
-    its shaped links (and once more unshaped, for the CPU a byte sent costs a node:
-    comm_cpu_s_per_byte; and the share of a data-parallel sum that hides under
-    compute: comm_overlap) and removed (root).
+    its shaped links (with how much a data-parallel sum and the compute beside it
+    slow each other: comm_slowdown, compute_slowdown) and removed (root).
 
     \b
     Examples:

@@ -24,17 +24,15 @@ cluster; ``configs/clusters/`` holds examples)::
     # optional: a rank's rate of memory-bound element-wise work (bytes read + written a
     # second), per ranks-per-node count, for the non-GEMM part of a step
     stream = { 1 = 8.0e9, 2 = 5.0e9 }
-    # optional: the share of a data-parallel sum's time that runs hidden under the
-    # backward's compute (1, the default: all it can; 0: none, the sum's progress and
-    # its TCP work take the cores the backward computes on). `calibrate --emulated`
-    # measures it: gradient buckets summed beside a loop of products (overlap.py)
-    comm_overlap = 1.0
-    # optional: seconds of a node's core per byte a rank sends in a collective across
-    # nodes (copies and the TCP stack; 0, the default, for RDMA adapters that move the
-    # bytes themselves). A data-parallel sum hidden under the backward takes that CPU
-    # from the backward. `calibrate --emulated` measures it: the collectives again with
-    # the links unshaped, where the cores and not the links bound them
-    comm_cpu_s_per_byte = 0.0
+    # optional: how a data-parallel sum and the backward's compute share a node when
+    # they run beside each other: the sum takes comm_slowdown times as long as it does
+    # alone, the compute compute_slowdown times (1 and 1, the defaults: neither slows
+    # the other, as with an adapter that moves the bytes itself). On a node whose cores
+    # move the bytes (TCP) and whose MPI moves a non-blocking sum only when polled, both
+    # are above 1. `calibrate --emulated` measures them: gradient buckets summed beside
+    # a loop of products (overlap.py)
+    comm_slowdown = 1.0
+    compute_slowdown = 1.0
 
     # instead of a gemm table, a device's published peak and the share of it its GEMMs
     # reach (a roofline: a product is also bound by moving its operands, gemm_bytes an
@@ -154,8 +152,8 @@ class NodeKind:
     peak_flops: float | None = None  # a device's published peak (the roofline form)
     gemm_efficiency: float | None = None  # the share of it large products reach
     gemm_bytes: int = 2  # bytes an operand element, for the roofline's memory bound
-    comm_overlap: float = 1.0  # share of a data-parallel sum hidden under compute
-    comm_cpu_s_per_byte: float = 0.0  # core seconds a byte sent across nodes costs
+    comm_slowdown: float = 1.0  # a data-parallel sum beside compute takes this x alone
+    compute_slowdown: float = 1.0  # compute beside a data-parallel sum takes this x alone
 
     def peak_rate(self, ranks_per_node: int) -> float:
         """A rank's best measured GEMM rate, or the published peak: the denominator of MFU."""
@@ -289,11 +287,26 @@ def _field(table: dict, key: str, where: str) -> Any:
     return table[key]
 
 
-def _known(table: Any, keys: tuple[str, ...], where: str) -> None:
-    """``table`` is a table whose fields are all among ``keys``."""
+# fields of older descriptions -> what replaced them (the refusal says so)
+REPLACED_FIELDS = {
+    "comm_overlap": "comm_slowdown and compute_slowdown",
+    "comm_cpu_s_per_byte": "comm_slowdown and compute_slowdown",
+}
+
+
+def _known(table: Any, keys: tuple[str, ...], where: str,
+           replaced: dict[str, str] | None = None) -> None:
+    """``table`` is a table whose fields are all among ``keys``; a field of
+    ``replaced`` is named with what replaced it."""
     if not isinstance(table, dict):
         raise ClusterError(f"{where or 'the description'} ({table!r}) must be a table "
                            f"with the fields {sorted(keys)}")
+    for old, new in (replaced or {}).items():
+        if old in table:
+            raise ClusterError(f"{_at(where)}{old} was replaced by {new} (a data-parallel "
+                               f"sum and the compute beside it, each slowed by the other): "
+                               f"measure them again with `hpctrain calibrate --emulated`, "
+                               f"or remove {old}")
     unknown = sorted(set(table) - set(keys))
     if unknown:
         raise ClusterError(f"{_at(where)}unknown field(s) {unknown}; known: {sorted(keys)}")
@@ -302,8 +315,8 @@ def _known(table: Any, keys: tuple[str, ...], where: str) -> None:
 def _kind(raw: dict, i: int) -> NodeKind:
     where = f"kinds[{i}]"
     _known(raw, ("name", "cores", "memory_gib", "gemm", "gemm_cached", "stream", "peak_flops",
-                 "gemm_efficiency", "gemm_bytes", "comm_overlap", "comm_cpu_s_per_byte"),
-           where)
+                 "gemm_efficiency", "gemm_bytes", "comm_slowdown", "compute_slowdown"),
+           where, replaced=REPLACED_FIELDS)
     name = _text(f"{where}.name", _field(raw, "name", where))
     cores = _count(f"{where}.cores", _field(raw, "cores", where))
     memory = _number(f"{where}.memory_gib", _field(raw, "memory_gib", where)) * 2**30
@@ -324,16 +337,14 @@ def _kind(raw: dict, i: int) -> NodeKind:
                                f"ranks per node -> bytes/s")
         stream = {_ranks_key(k, f"{where}.stream"): _number(f"{where}.stream.{k}", v)
                   for k, v in raw["stream"].items()}
-    overlap = raw.get("comm_overlap", 1.0)
-    if isinstance(overlap, bool) or not isinstance(overlap, int | float) \
-            or not 0.0 <= overlap <= 1.0:
-        raise ClusterError(f"{where}.comm_overlap ({overlap!r}) must be a number from 0 to 1")
-    cpu = _number(f"{where}.comm_cpu_s_per_byte", raw.get("comm_cpu_s_per_byte", 0.0),
-                  positive=False)
-    if cpu < 0:
-        raise ClusterError(f"{where}.comm_cpu_s_per_byte ({cpu!r}) must be 0 or more")
-    return NodeKind(name, cores, memory, gemm, stream, cached, **roof,
-                    comm_overlap=float(overlap), comm_cpu_s_per_byte=cpu)
+    slowdowns = {}
+    for field in ("comm_slowdown", "compute_slowdown"):
+        value = _number(f"{where}.{field}", raw.get(field, 1.0))
+        if value < 1.0:
+            raise ClusterError(f"{where}.{field} ({value!r}) must be 1 or more (how many "
+                               f"times as long as alone)")
+        slowdowns[field] = value
+    return NodeKind(name, cores, memory, gemm, stream, cached, **roof, **slowdowns)
 
 
 def _gemm_table(raw, where: str) -> dict[int, tuple[tuple[int, float], ...]]:
@@ -493,10 +504,9 @@ def to_toml(c: Cluster) -> str:
         if k.stream:
             lines.append("stream = { " + ", ".join(f"{r} = {v:.4e}" for r, v in
                                                    sorted(k.stream.items())) + " }")
-        if k.comm_overlap != 1.0:
-            lines.append(f"comm_overlap = {k.comm_overlap:.3f}")
-        if k.comm_cpu_s_per_byte:
-            lines.append(f"comm_cpu_s_per_byte = {k.comm_cpu_s_per_byte:.4e}")
+        for field in ("comm_slowdown", "compute_slowdown"):
+            if getattr(k, field) != 1.0:
+                lines.append(f"{field} = {getattr(k, field):.3f}")
         lines.append("")
     for kind, count in c.nodes:
         lines += ["[[nodes]]", f"kind = {toml_string(kind)}", f"count = {count}", ""]

@@ -42,12 +42,14 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   each when it is ready and the one before it is done; **exposed = what runs past the
   end of the step's compute** (so the last buckets, ready as the backward ends, are
   always exposed, and a pipeline stage's sum overlaps only the other stages' remaining
-  work). Two properties of the node kind refine it: ``comm_overlap`` (the share of a
-  sum that hides, 1 unless the description says less: exposed moves linearly to the
-  whole sum at 0; ``calibrate --emulated`` measures it, ``overlap.py``) and
-  ``comm_cpu_s_per_byte`` (the CPU a byte sent across nodes costs, TCP's copies and
-  stack: the part of the sum that ran during compute adds that much to the step;
-  measured by ``calibrate --emulated``, 0 for RDMA adapters). ZeRO's all-gather is never hidden.
+  work). Two properties of the node kind refine it, for sums across nodes:
+  ``comm_slowdown`` and ``compute_slowdown`` (1 and 1 unless the description says
+  more): while a sum runs beside the rank's compute, the sum takes ``comm_slowdown``
+  and the compute ``compute_slowdown`` times as long as each does alone, and the step
+  ends when the later of the two does (``beside``; 2.4-2.6 and 1.2-1.4 on the
+  emulated nodes here, whole or half cores, where the copies of TCP and the helper
+  thread that moves the sum share the core with the backward). ``calibrate --emulated`` measures
+  them (``overlap.py``). ZeRO's all-gather is never hidden.
   Periodic averaging strategies send the parameters (an all-reduce) every
   ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;
@@ -86,7 +88,6 @@ from hpctrain.parallel.pipeline import peak_caches
 from hpctrain.plan import memory as mem
 from hpctrain.plan.cluster import Cluster, NodeKind
 from hpctrain.plan.cluster import from_dict as cluster_from_dict
-from hpctrain.plan.cluster import volume as cl_volume
 
 GiB = 2**30
 OPT_PASSES = {"adamw": 10, "sgd": 6}
@@ -520,8 +521,10 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
         link = sum(mb * (lf + lb) for *_, lf, lb in times.values()) \
             + (tied if r in (0, pp - 1) else 0.0)
         bubble = max(0.0, makespan - busy[r])
-        hidden = min(k.comm_overlap for k in info["kinds"])  # the slowest to hide
-        cpu = max(k.comm_cpu_s_per_byte for k in info["kinds"]) if dp_inter[r] else 0.0
+        # beside the backward, by the node kind slowed most; inside a node no TCP
+        slowdowns = ((max(k.comm_slowdown for k in info["kinds"]),
+                      max(k.compute_slowdown for k in info["kinds"]))
+                     if dp_inter[r] else (1.0, 1.0))
         zero_align = dp if par.zero else 1
         planned = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
         if par.grad_comm_dtype == "bf16" and s > 2:  # bf16_reduce: 2 bytes an element sent
@@ -531,8 +534,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             sums = [(nbytes, ready[unit]) for nbytes, unit in planned]
         else:  # the sum after the backward
             sums = [(nbytes, makespan) for nbytes, _ in planned]
-        dp_s = dp_time(cfg, cluster, sums, makespan, rpn, dp_inter[r], hidden, cpu,
-                       info["numel"] * s)
+        dp_s = dp_time(cfg, cluster, sums, makespan, rpn, dp_inter[r], slowdowns,
+                       max(ends[r].values(), default=makespan), info["numel"] * s)
         passes = (NUMBA_OPT_PASSES if kernels == "numba" else OPT_PASSES).get(t.optimizer, 10)
         opt_bytes = (practice.master_bytes or s) * passes * \
             info["numel"] * (1 if par.zero == 0 else 1 / dp) + s * GRAD_PASSES * info["numel"]
@@ -728,16 +731,17 @@ def ready_times(pieces: dict, times: dict, ends: dict, makespan: float, pp: int)
 
 
 def dp_time(cfg: Config, cluster: Cluster, buckets: list[tuple[float, float]],
-            makespan: float, rpn: int, inter: bool, hidden: float = 1.0,
-            cpu_per_byte: float = 0.0, grad_bytes: float | None = None) -> float:
+            makespan: float, rpn: int, inter: bool, slowdowns: tuple[float, float] = (1.0, 1.0),
+            busy_end: float | None = None, grad_bytes: float | None = None) -> float:
     """Exposed seconds per step of the data-parallel sums (module docstring).
 
     ``buckets``: (bytes, ready seconds) in launch order; ``makespan``: when the step's
     compute ends. The buckets go over the data group one after the other, each when it
     is ready and the one before it is done; what runs past the makespan is exposed.
-    ``hidden`` (the node kind's ``comm_overlap``) moves it linearly towards the whole
-    sum exposed (0). ``cpu_per_byte`` (``comm_cpu_s_per_byte``): the CPU the part that
-    ran during compute took from it, per byte each rank sent."""
+    ``slowdowns``: the node kind's ``(comm_slowdown, compute_slowdown)``: while a sum
+    runs beside the rank's compute (up to ``busy_end``, default the makespan; a
+    pipeline stage is idle after its last backward) the sum takes ``comm_slowdown``
+    and the compute ``compute_slowdown`` times as long as alone (``beside``)."""
     par = cfg.parallel
     dp, tp = par.dp, par.tp
     if dp == 1:
@@ -752,19 +756,13 @@ def dp_time(cfg: Config, cluster: Cluster, buckets: list[tuple[float, float]],
             return cluster.collective_time("all_reduce", local, grad_bytes, False) + across
         return across
     op = "all_reduce" if par.zero == 0 else "reduce_scatter"
-    end = whole = cpu = 0.0
     priced: dict[float, float] = {}  # the buckets are mostly of one size
+    sums = []
     for nbytes, ready in buckets:
         if nbytes not in priced:
             priced[nbytes] = reduction_s(cluster, op, dp, nbytes, rpn, tp, hier, inter)
-        took = priced[nbytes]
-        start = max(end, ready)
-        end = start + took
-        whole += took
-        if cpu_per_byte and took > 0:  # the share of this sum that ran during compute
-            during = min(1.0, max(0.0, (makespan - start) / took))
-            cpu += cpu_per_byte * cl_volume(op, dp, nbytes) * during
-    exposed = hidden * (max(0.0, end - makespan) + cpu) + (1.0 - hidden) * whole
+        sums.append((priced[nbytes], ready))
+    exposed = beside(sums, makespan, makespan if busy_end is None else busy_end, *slowdowns)
     if par.zero == 0:
         return exposed
     gather = cluster.collective_time("all_gather", dp, grad_bytes, inter)
@@ -772,6 +770,51 @@ def dp_time(cfg: Config, cluster: Cluster, buckets: list[tuple[float, float]],
         # backward when resharding): zero3.py; stages 1-2 gather once, after the update
         gather *= par.microbatches * (2 if par.reshard_after_forward else 1)
     return exposed + gather
+
+
+def beside(sums: list[tuple[float, float]], makespan: float, busy_end: float,
+           comm_slowdown: float = 1.0, compute_slowdown: float = 1.0) -> float:
+    """Seconds past ``makespan`` that a rank's step ends, its sums sharing the node with
+    its compute.
+
+    ``sums``: (seconds alone, ready time) in launch order, run one after the other,
+    each once ready and the one before it done. The rank computes until ``busy_end``
+    of its own clock (the schedule without sums, in which the ready times are given;
+    a pipeline stage then waits for the others until ``makespan``). While a sum and
+    the compute both run, the sum advances at ``1 / comm_slowdown`` of its rate alone
+    and the compute at ``1 / compute_slowdown``, so the compute's lost time delays the
+    later buckets' readiness and the end of the compute alike; once the compute is
+    done, the rest of the sums run at their full rate (a bucket ready after
+    ``busy_end`` is ready at that time of the step). Slowdowns of 1: each sum ends at
+    ``max(ready, previous end) + seconds``, as on an adapter that moves the bytes
+    itself. Pure."""
+    pending = [[took, ready] for took, ready in sums if took > 0]
+    t = x = 0.0  # wall clock, and the compute's own clock
+    while x < busy_end:  # computing
+        active = bool(pending) and pending[0][1] <= x
+        dx = 1.0 / compute_slowdown if active else 1.0
+        # wall seconds to the next event: the compute's end, the sum's end, the next
+        # bucket ready; each lands exactly (no creeping up on it in rounding steps)
+        event, dt = "computed", (busy_end - x) / dx
+        if active and pending[0][0] * comm_slowdown < dt:
+            event, dt = "summed", pending[0][0] * comm_slowdown
+        elif not active and pending and (pending[0][1] - x) / dx < dt:
+            event, dt = "ready", (pending[0][1] - x) / dx
+        t += dt
+        if event == "computed":
+            x = busy_end
+        elif event == "ready":
+            x = pending[0][1]
+        else:
+            x += dt * dx
+        if active:
+            pending[0][0] -= dt / comm_slowdown
+            if event == "summed":
+                pending.pop(0)
+    end = t  # the compute's end; then the sums alone
+    for took, ready in pending:
+        end = max(end, ready) + took
+    return max(0.0, end - makespan)
 
 
 def _pipeline(orders, chunk_times, n_chunks: int, pp: int, mb: int, v: int,

@@ -26,15 +26,10 @@ the cluster's ``mpiexec`` (UCX over TCP on each node's shaped ``eth0``,
   as long from 1 MiB on. The switch port of node 0 counts what the node sent;
   a job whose count is below ``MIN_ON_LINK`` of what the ring model says rank 0 sent
   did not go over the link (UCX chose shared memory), and is an error;
-* **the CPU a byte costs** (``comm_cpu_s_per_byte``): the two largest messages again
-  over all nodes with the links set to ``UNSHAPED_BPS``, where the nodes' cores and
-  not their links bound the collectives (UCX over TCP copies every byte, and the
-  kernel's TCP stack runs on the node's core): the slope of time over the bytes a rank
-  sends (``cpu_per_byte``). A sum hidden under the backward takes that CPU from it
-  (``cost.dp_time``);
-* **how much of a sum hides under compute** (``comm_overlap``): gradient buckets
-  summed by the data-parallel engine's own machinery beside a loop of products, on
-  every node at once over the shaped links, against each alone (``overlap.py``).
+* **how a sum and the compute beside it slow each other** (``comm_slowdown``,
+  ``compute_slowdown``): gradient buckets summed by the data-parallel engine's own
+  machinery beside a loop of products, on every node at once over the shaped links,
+  against each alone (``overlap.py``).
 
 Every node has one rank, so no collective stays inside a node: ``[links.intra]`` is a
 copy of ``[links.inter]`` and the file says so. ``describe`` is the pure part (what a
@@ -56,10 +51,9 @@ from hpctrain.plan import overlap
 
 NAME, SUBNET = "hpctcal", "10.223.0.0/24"  # the calibration's own cluster and switch
 MIN_ON_LINK = 0.9  # node 0's port must count at least this share of rank 0's ring bytes
-UNSHAPED_BPS = 100 * 10**9  # links for the CPU measurement: faster than a core moves bytes
 DEFAULT_MESSAGES = tuple(cal.KiB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 QUICK_MESSAGES = (cal.KiB, 64 * cal.KiB, cal.MiB)
-OVERLAP_BYTES = 16 * cal.MiB  # gradient buckets summed beside compute (comm_overlap)
+OVERLAP_BYTES = 16 * cal.MiB  # gradient buckets summed beside compute (overlap.py)
 
 
 def parse(text: str) -> tuple[int, str]:
@@ -91,7 +85,6 @@ class Measured:
     samples: list[cal.Sample]
     on_link: list[tuple[int, float, int]]  # per job: (ranks, ring bytes of rank 0, port bytes)
     memory_bytes: float  # this machine's memory
-    unshaped: tuple = ()  # the collectives again on links too fast to bound them (Samples)
     overlap: dict | None = None  # overlap.overlap_times over every node, shaped links
     gemm_cached: dict[int, list[float]] | None = None  # as gemm, operands in the caches
 
@@ -101,11 +94,10 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
     intra) and the fit report's lines. Pure."""
     gemm = {1: cal.median_table(m.gemm)}
     cached = None if m.gemm_cached is None else {1: cal.median_table(m.gemm_cached)}
-    cpu = cpu_per_byte(list(m.unshaped))
-    hidden = 1.0 if m.overlap is None else overlap.hidden_share(m.overlap, cpu)
+    slowed = {} if m.overlap is None else dict(zip(("comm_slowdown", "compute_slowdown"),
+                                                    overlap.slowdowns(m.overlap), strict=True))
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
-                       {1: statistics.median(m.stream)}, cached, comm_overlap=hidden,
-                       comm_cpu_s_per_byte=cpu)
+                       {1: statistics.median(m.stream)}, cached, **slowed)
     links, report = {}, []
     for op in cl.OPS:
         mine = [s for s in m.samples if s.op == op]
@@ -113,36 +105,15 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
         report += cal.fit_report(op, links[op], mine)
     cluster = cl.Cluster(name or f"emulated-{m.nodes}x{m.link}", "mpiexec", {"node": kind},
                          (("node", m.nodes),), {"intra": dict(links), "inter": links})
-    if m.unshaped:
-        report.append(f"  CPU a byte sent costs a node (the collectives on unshaped links): "
-                      f"{cpu * 1e9:.3f} ns (comm_cpu_s_per_byte)")
     if m.overlap is not None:
         o = m.overlap
-        report.append(f"  {o['nbytes'] / 2**20:.0f} MiB of gradient buckets summed beside "
-                      f"{o['compute_s']:.3f} s of products: alone {o['comm_s']:.3f} s, "
-                      f"together {o['both_s']:.3f} s, so {hidden:.2f} of a sum hides "
-                      f"(comm_overlap)")
+        report.append(f"  {o['nbytes'] / 2**20:.0f} MiB of gradient buckets summed: alone "
+                      f"{o['comm_s']:.3f} s; beside {o['compute_s']:.3f} s of products, done "
+                      f"after {o['done_s']:.3f} s, the products {o['both_s']:.3f} s: the sum "
+                      f"{slowed['comm_slowdown']:.2f}x as long (comm_slowdown), the "
+                      f"products {slowed['compute_slowdown']:.2f}x while it ran "
+                      f"(compute_slowdown)")
     return cluster, report
-
-
-def cpu_per_byte(samples: list[cal.Sample]) -> float:
-    """Seconds of a node's core per byte a rank sends, from collectives timed on links
-    too fast to bound them (so the cores do): for each op and group size, the slope of
-    time over the ring model's bytes sent between its two largest messages (latency
-    drops out); the median of the slopes, 0 if none is positive. Pure."""
-    slopes = []
-    for key in sorted({(s.op, s.p) for s in samples}):
-        mine = sorted((s for s in samples if (s.op, s.p) == key), key=lambda s: s.nbytes)
-        if len({s.nbytes for s in mine}) < 2:
-            continue
-        big_n = mine[-1].nbytes
-        small_n = max(s.nbytes for s in mine if s.nbytes < big_n)
-        t_big = statistics.median(s.seconds for s in mine if s.nbytes == big_n)
-        t_small = statistics.median(s.seconds for s in mine if s.nbytes == small_n)
-        dv = cl.volume(key[0], key[1], big_n) - cl.volume(key[0], key[1], small_n)
-        if dv > 0:
-            slopes.append((t_big - t_small) / dv)
-    return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
 def check_on_link(on_link: list[tuple[int, float, int]]) -> list[str]:
@@ -215,20 +186,8 @@ def measure(nodes: int, link: str, settings: cal.Settings, mpiexec: str,
                 overlapped = result.get("overlap")
             samples += [cal.Sample(**s) for s in result["samples"]]
             click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
-        # the CPU a byte costs: the largest messages again with the links unshaped,
-        # where a node's core, not its link, sets the pace
-        big = tuple(sorted(settings.messages)[-2:])
-        click.echo(f"== {nodes} node(s), links at {UNSHAPED_BPS / 1e9:.0f} Gbit/s: the "
-                   f"collectives' CPU", err=True)
-        t0 = time.perf_counter()
-        for node in spec.nodes:
-            net.shape_link(spec, node, UNSHAPED_BPS)
-        result = cal.run_worker(mpiexec, nodes, 1, (), big, (1, settings.comm_repeats),
-                                timeout, command=command)
-        unshaped = tuple(cal.Sample(**s) for s in result["samples"])
-        click.echo(f"   {time.perf_counter() - t0:.0f} s", err=True)
     return Measured(nodes, link, gemm, stream, samples, on_link, cal.memory_gib() * 2**30,
-                    unshaped, overlapped, cached)
+                    overlapped, cached)
 
 
 def calibrate(spec_text: str, out: str, sizes, messages, repeats, name, mpiexec: str,
