@@ -355,10 +355,11 @@ def test_buckets_go_over_the_link_one_after_the_other_by_hand():
     # a bucket that waits for the one before it: ready at 0.1, starts at 0.3
     assert cost.dp_time(cfg, c, [(100, 0.0), (100, 0.1), (100, 0.2)], 0.5, 2, False) == \
         pytest.approx(0.4)
-    # slowed beside the compute (the by-hand cases of test_beside_...): the same buckets
-    # take 2 x as long while the compute runs, and the compute 1.25 x
-    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, (2.0, 1.25)) == \
-        pytest.approx(cost.beside([(0.3, 0.0), (0.3, 0.5), (0.3, 1.0)], 1.0, 1.0, 2.0, 1.25))
+    # slowed beside the compute, the sum 2 x and the compute 1.25 x: the first ends at
+    # 0.6 s wall (compute at 0.48), the compute alone reaches 0.5 at 0.62, the second
+    # runs to 1.22 (compute at 0.98), the compute alone ends at 1.24, the third alone
+    # to 1.54: 0.54 exposed
+    assert cost.dp_time(cfg, c, buckets, 1.0, 2, False, (2.0, 1.25)) == pytest.approx(0.54)
 
 
 def test_beside_shares_the_node_between_a_sum_and_the_compute_by_hand():
@@ -387,6 +388,8 @@ def test_beside_shares_the_node_between_a_sum_and_the_compute_by_hand():
     # inside the wait: nothing exposed
     assert cost.beside([(0.8, 0.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.1125)
     assert cost.beside([(0.4, 0.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.0)
+    # the compute's own loss (ending at 0.58 wall, not 0.5) absorbed by the wait
+    assert cost.beside([(0.2, 0.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.0)
     # a sum ready after the stage's compute (the sums after the step, dp_overlap off)
     # starts at its ready time
     assert cost.beside([(0.3, 1.0)], 1.0, 0.5, 2.0, 1.25) == pytest.approx(0.3)

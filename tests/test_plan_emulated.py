@@ -155,7 +155,7 @@ def test_the_slowdowns_are_read_off_the_sum_beside_the_products():
     taking 2.2 s against 2.0 alone: 0.2 s lost in the 1.0 s the sum ran, so the compute
     ran at 0.8 of its rate (1.25 x). Never below 1; a sum that did not end inside the
     loop, or a loss longer than the sum, is an error naming the values. describe puts
-    both on the node kind, the report says so."""
+    both on the node kind, the report says so, or why it could not."""
     from hpctrain.plan import overlap
 
     base = {"compute_s": 2.0, "comm_s": 0.4, "nbytes": 4e6, "buckets": 4.0, "ranks": 4.0}
@@ -172,3 +172,11 @@ def test_the_slowdowns_are_read_off_the_sum_beside_the_products():
     kind = c.kinds["node"]
     assert (kind.comm_slowdown, kind.compute_slowdown) == pytest.approx((2.5, 1.25))
     assert any("(comm_slowdown)" in line and "(compute_slowdown)" in line for line in report)
+    # a sum that never ended inside the loop: the rest of the description stands, the
+    # slowdowns at 1, and the report says why
+    m = emulated.Measured(**{**measured().__dict__,
+                             "overlap": {**base, "done_s": float("inf"), "both_s": 2.2}})
+    c, report = emulated.describe(m)
+    assert (c.kinds["node"].comm_slowdown, c.kinds["node"].compute_slowdown) == (1.0, 1.0)
+    assert any("were not measured (the sum beside the compute did not end inside it"
+               in line for line in report)

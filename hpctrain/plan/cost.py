@@ -787,7 +787,9 @@ def beside(sums: list[tuple[float, float]], makespan: float, busy_end: float,
     done, the rest of the sums run at their full rate (a bucket ready after
     ``busy_end`` is ready at that time of the step). Slowdowns of 1: each sum ends at
     ``max(ready, previous end) + seconds``, as on an adapter that moves the bytes
-    itself. Pure."""
+    itself. Approximations: a pipeline rank's waits for the other stages before
+    ``busy_end`` count as compute (the replay's spans would tell them apart), and a
+    hierarchical sum is slowed whole, its steps inside the node too. Pure."""
     pending = [[took, ready] for took, ready in sums if took > 0]
     t = x = 0.0  # wall clock, and the compute's own clock
     while x < busy_end:  # computing

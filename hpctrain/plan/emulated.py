@@ -94,8 +94,13 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
     intra) and the fit report's lines. Pure."""
     gemm = {1: cal.median_table(m.gemm)}
     cached = None if m.gemm_cached is None else {1: cal.median_table(m.gemm_cached)}
-    slowed = {} if m.overlap is None else dict(zip(("comm_slowdown", "compute_slowdown"),
-                                                    overlap.slowdowns(m.overlap), strict=True))
+    slowed, unread = {}, None
+    if m.overlap is not None:
+        try:
+            slowed = dict(zip(("comm_slowdown", "compute_slowdown"),
+                              overlap.slowdowns(m.overlap), strict=True))
+        except ValueError as err:  # the rest of the calibration stands; say so
+            unread = str(err)
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,
                        {1: statistics.median(m.stream)}, cached, **slowed)
     links, report = {}, []
@@ -105,7 +110,11 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
         report += cal.fit_report(op, links[op], mine)
     cluster = cl.Cluster(name or f"emulated-{m.nodes}x{m.link}", "mpiexec", {"node": kind},
                          (("node", m.nodes),), {"intra": dict(links), "inter": links})
-    if m.overlap is not None:
+    if unread is not None:
+        report.append(f"  the slowdowns of a sum beside compute were not measured ({unread}): "
+                      f"the description has none (1 and 1); calibrate again on a quieter "
+                      f"machine, or add them by hand")
+    elif m.overlap is not None:
         o = m.overlap
         report.append(f"  {o['nbytes'] / 2**20:.0f} MiB of gradient buckets summed: alone "
                       f"{o['comm_s']:.3f} s; beside {o['compute_s']:.3f} s of products, done "

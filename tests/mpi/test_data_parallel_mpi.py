@@ -58,6 +58,10 @@ def test_bucketed_sum_is_exact_for_any_bucket_size(comm, bucket_mb, hooked, help
                  for k, p in enumerate(params))
         assert_all(comm, ok, f"bucketed sum, bucket_mb {bucket_mb}, hooked {hooked}, "
                              f"helper thread {helper}")
+        # every bucket counted once as reduced (overlap.py watches the count); none
+        # launched on one rank
+        want = len(grads.buckets) if size > 1 else 0
+        assert_all(comm, grads.reduced == want, f"reduced {grads.reduced}, want {want}")
 
 
 @pytest.mark.mpi
