@@ -287,11 +287,13 @@ def _field(table: dict, key: str, where: str) -> Any:
     return table[key]
 
 
-# fields of older descriptions -> what replaced them (the refusal says so)
-REPLACED_FIELDS = {
-    "comm_overlap": "comm_slowdown and compute_slowdown",
-    "comm_cpu_s_per_byte": "comm_slowdown and compute_slowdown",
-}
+# a node kind's two factors for a data-parallel sum beside compute (NodeKind, cost.beside)
+SLOWDOWNS = ("comm_slowdown", "compute_slowdown")
+_BY_SLOWDOWNS = ("comm_slowdown and compute_slowdown (a data-parallel sum and the compute "
+                 "beside it, each slowed by the other): measure them again with `hpctrain "
+                 "calibrate --emulated`")
+# fields of older descriptions -> what replaced them, and how to get it
+REPLACED_FIELDS = {"comm_overlap": _BY_SLOWDOWNS, "comm_cpu_s_per_byte": _BY_SLOWDOWNS}
 
 
 def _known(table: Any, keys: tuple[str, ...], where: str,
@@ -303,10 +305,7 @@ def _known(table: Any, keys: tuple[str, ...], where: str,
                            f"with the fields {sorted(keys)}")
     for old, new in (replaced or {}).items():
         if old in table:
-            raise ClusterError(f"{_at(where)}{old} was replaced by {new} (a data-parallel "
-                               f"sum and the compute beside it, each slowed by the other): "
-                               f"measure them again with `hpctrain calibrate --emulated`, "
-                               f"or remove {old}")
+            raise ClusterError(f"{_at(where)}{old} was replaced by {new}, or remove {old}")
     unknown = sorted(set(table) - set(keys))
     if unknown:
         raise ClusterError(f"{_at(where)}unknown field(s) {unknown}; known: {sorted(keys)}")
@@ -315,8 +314,7 @@ def _known(table: Any, keys: tuple[str, ...], where: str,
 def _kind(raw: dict, i: int) -> NodeKind:
     where = f"kinds[{i}]"
     _known(raw, ("name", "cores", "memory_gib", "gemm", "gemm_cached", "stream", "peak_flops",
-                 "gemm_efficiency", "gemm_bytes", "comm_slowdown", "compute_slowdown"),
-           where, replaced=REPLACED_FIELDS)
+                 "gemm_efficiency", "gemm_bytes", *SLOWDOWNS), where, replaced=REPLACED_FIELDS)
     name = _text(f"{where}.name", _field(raw, "name", where))
     cores = _count(f"{where}.cores", _field(raw, "cores", where))
     memory = _number(f"{where}.memory_gib", _field(raw, "memory_gib", where)) * 2**30
@@ -338,7 +336,7 @@ def _kind(raw: dict, i: int) -> NodeKind:
         stream = {_ranks_key(k, f"{where}.stream"): _number(f"{where}.stream.{k}", v)
                   for k, v in raw["stream"].items()}
     slowdowns = {}
-    for field in ("comm_slowdown", "compute_slowdown"):
+    for field in SLOWDOWNS:
         value = _number(f"{where}.{field}", raw.get(field, 1.0))
         if value < 1.0:
             raise ClusterError(f"{where}.{field} ({value!r}) must be 1 or more (how many "
@@ -504,7 +502,7 @@ def to_toml(c: Cluster) -> str:
         if k.stream:
             lines.append("stream = { " + ", ".join(f"{r} = {v:.4e}" for r, v in
                                                    sorted(k.stream.items())) + " }")
-        for field in ("comm_slowdown", "compute_slowdown"):
+        for field in SLOWDOWNS:
             if getattr(k, field) != 1.0:
                 lines.append(f"{field} = {getattr(k, field):.3f}")
         lines.append("")

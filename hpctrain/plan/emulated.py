@@ -97,8 +97,7 @@ def describe(m: Measured, name: str | None = None) -> tuple[cl.Cluster, list[str
     slowed, unread = {}, None
     if m.overlap is not None:
         try:
-            slowed = dict(zip(("comm_slowdown", "compute_slowdown"),
-                              overlap.slowdowns(m.overlap), strict=True))
+            slowed = dict(zip(cl.SLOWDOWNS, overlap.slowdowns(m.overlap), strict=True))
         except ValueError as err:  # the rest of the calibration stands; say so
             unread = str(err)
     kind = cl.NodeKind("node", 1, m.memory_bytes / m.nodes, gemm,

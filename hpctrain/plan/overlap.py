@@ -35,6 +35,7 @@ that moved at its full rate.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -47,8 +48,6 @@ TRIES = 3  # lengthen the loop at most this many times for the sum to end inside
 def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str, float]:
     """Seconds of the sum alone, compute alone, and both together (module docstring):
     each the median over ``repeats`` of the slowest rank. Collective over ``comm``."""
-    import statistics
-
     from mpi4py import MPI
 
     from hpctrain.bench import timed_on_all_ranks
@@ -125,9 +124,7 @@ def slowdowns(times: dict[str, float]) -> tuple[float, float]:
         raise ValueError(f"the sum beside the compute did not end inside it (done_s "
                          f"{done!r}, the sum alone {comm_s!r} s): no slowdown to read")
     lost = max(0.0, times["both_s"] - times["compute_s"])
-    comm = max(1.0, done / comm_s)
-    compute = max(1.0, done / (done - lost)) if lost < done else float("inf")
-    if compute == float("inf"):
+    if lost >= done:
         raise ValueError(f"the compute lost {lost:.3f} s beside a sum that ran {done:.3f} "
                          f"s: more than the sum's whole time, no slowdown to read")
-    return comm, compute
+    return max(1.0, done / comm_s), max(1.0, done / (done - lost))
