@@ -143,7 +143,12 @@ def test_the_slowdowns_of_a_sum_beside_compute_are_described_and_priced():
     ("comm_slowdown", 0.5, "comm_slowdown (0.5) must be 1 or more"),
     ("compute_slowdown", -1, "compute_slowdown (-1) must be positive"),
     ("comm_slowdown", "fast", "comm_slowdown ('fast') must be a number"),
-    ("compute_slowdown", True, "compute_slowdown (true) must be a number")])
+    ("compute_slowdown", True, "compute_slowdown (true) must be a number"),
+    ("comm_slowdown", {"2": 0.9}, "comm_slowdown.2 (0.9) must be 1 or more"),
+    ("comm_slowdown", {"1": 2.0}, "comm_slowdown key '1' must be the nodes a data group "
+                                  "spans"),
+    ("comm_slowdown", {"02": 2.0}, "comm_slowdown key '02' must be"),
+    ("compute_slowdown", {}, "compute_slowdown ({}) must be a number or a table")])
 def test_a_bad_slowdown_is_named(field, value, message):
     with pytest.raises(cl.ClusterError) as err:
         one_core_nodes(2, **{field: value})
@@ -167,16 +172,59 @@ def test_the_slowdowns_are_read_off_the_sum_beside_the_products():
     with pytest.raises(ValueError, match=r"lost 1.500 s beside a sum that ran 1.000 s"):
         overlap.slowdowns({**base, "done_s": 1.0, "both_s": 3.5})
     m = emulated.Measured(**{**measured().__dict__,
-                             "overlap": {**base, "done_s": 1.0, "both_s": 2.2}})
+                             "overlap": {4: {**base, "done_s": 1.0, "both_s": 2.2}}})
     c, report = emulated.describe(m)
     kind = c.kinds["node"]
     assert (kind.comm_slowdown, kind.compute_slowdown) == pytest.approx((2.5, 1.25))
-    assert any("(comm_slowdown)" in line and "(compute_slowdown)" in line for line in report)
+    assert any("groups of 4 nodes" in line and "(comm_slowdown)" in line
+               and "(compute_slowdown)" in line for line in report)
+    # two group sizes: a table by the nodes a group spans, read back from the TOML
+    m = emulated.Measured(**{**measured().__dict__, "overlap": {
+        4: {**base, "done_s": 1.0, "both_s": 2.2},
+        2: {**base, "comm_s": 0.2, "done_s": 0.8, "both_s": 2.4}}})
+    c, report = emulated.describe(m)
+    back = cl.from_dict(__import__("tomllib").loads(cl.to_toml(c))).kinds["node"]
+    assert back.comm_slowdown == pytest.approx({2: 4.0, 4: 2.5}, abs=1e-3)
+    assert back.compute_slowdown == pytest.approx({2: 2.0, 4: 1.25}, abs=1e-3)
+    assert back.slowdowns(2) == pytest.approx((4.0, 2.0), abs=1e-3)
     # a sum that never ended inside the loop: the rest of the description stands, the
     # slowdowns at 1, and the report says why
-    m = emulated.Measured(**{**measured().__dict__,
-                             "overlap": {**base, "done_s": float("inf"), "both_s": 2.2}})
+    never = {**base, "done_s": float("inf"), "both_s": 2.2}
+    m = emulated.Measured(**{**measured().__dict__, "overlap": {4: never}})
     c, report = emulated.describe(m)
     assert (c.kinds["node"].comm_slowdown, c.kinds["node"].compute_slowdown) == (1.0, 1.0)
-    assert any("were not measured (the sum beside the compute did not end inside it"
-               in line for line in report)
+    assert any("were not measured (groups of 4: the sum beside the compute did not end "
+               "inside it" in line and "(1 and 1)" in line for line in report)
+    # one size of two unread: the other prices every group, and the report says so
+    m = emulated.Measured(**{**measured().__dict__, "overlap": {
+        4: never, 2: {**base, "done_s": 1.0, "both_s": 2.2}}})
+    c, report = emulated.describe(m)
+    assert (c.kinds["node"].comm_slowdown, c.kinds["node"].compute_slowdown) == \
+        pytest.approx((2.5, 1.25))
+    assert any("not measured (groups of 4:" in line and "at the sizes measured (2)" in line
+               for line in report)
+
+
+def test_a_slowdown_table_is_read_at_the_nodes_a_data_group_spans():
+    """A table by group size: the nearest measured size in ratio (the larger on a tie);
+    the cost model reads it at the nodes the rank's data group spans, so on four nodes
+    dp 4 and tp 2 x dp 2 (data groups of 2 nodes) take different factors."""
+    kind = one_core_nodes(4, comm_slowdown={"2": 4.0, "8": 2.0},
+                          compute_slowdown=1.5).kinds["node"]
+    assert [kind.slowdowns(n)[0] for n in (2, 3, 4, 5, 8, 64)] == [4.0, 4.0, 2.0, 2.0, 2.0, 2.0]
+    assert kind.slowdowns(2)[1] == kind.slowdowns(8)[1] == 1.5
+    assert cost.data_group_nodes(4, 1, 1, 1) == (4,)
+    assert cost.data_group_nodes(2, 2, 1, 1) == (2,)  # tensor rank t: t, t + 2
+    assert cost.data_group_nodes(2, 1, 2, 1) == (2, 2)
+    assert cost.data_group_nodes(4, 1, 1, 2) == (2,)  # two ranks a node
+    assert cost.data_group_nodes(4, 2, 1, 4) == (2,)
+
+    def dp_s(layout, slow):
+        cfg = make(4, **layout, bucket_mb=0.001)
+        c = one_core_nodes(4, inter_bandwidth=1e8, comm_slowdown=slow)
+        return cost.estimate(cfg, c).ranks[0].time["dp"]
+
+    table = {"2": 4.0, "4": 1.0}
+    assert dp_s({"dp": 4}, table) == dp_s({"dp": 4}, 1.0)  # read at 4
+    assert dp_s({"dp": 2, "tp": 2}, table) == dp_s({"dp": 2, "tp": 2}, 4.0)  # at 2
+    assert dp_s({"dp": 2, "tp": 2}, table) > dp_s({"dp": 2, "tp": 2}, 1.0)

@@ -423,12 +423,13 @@ def worker(argv: list[str]) -> None:
         result["samples"] = [s.__dict__ for s in samples]
         result["sent_bytes"] = sum(sent)
     if args.overlap:
-        from hpctrain.plan.overlap import overlap_times
+        from hpctrain.plan.overlap import group_times
 
-        result["overlap"] = overlap_times(comm, args.overlap, OVERLAP_BUCKET_MB,
-                                          max(1, args.comm_repeats))
-        _progress(comm, "  overlap " + ", ".join(f"{k} {v:.4g}" for k, v in
-                                                 result["overlap"].items()))
+        result["overlap"] = group_times(comm, args.overlap, OVERLAP_BUCKET_MB,
+                                        max(1, args.comm_repeats))
+        for p, times in result["overlap"].items():
+            _progress(comm, f"  overlap, groups of {p}: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in times.items()))
     if comm.Get_rank() == 0:
         print(RESULT_TAG + json.dumps(result), flush=True)
 

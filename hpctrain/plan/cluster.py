@@ -29,10 +29,12 @@ cluster; ``configs/clusters/`` holds examples)::
     # alone, the compute compute_slowdown times (1 and 1, the defaults: neither slows
     # the other, as with an adapter that moves the bytes itself). On a node whose cores
     # move the bytes (TCP) and whose MPI moves a non-blocking sum only when polled, both
-    # are above 1. `calibrate --emulated` measures them: gradient buckets summed beside
-    # a loop of products (overlap.py)
-    comm_slowdown = 1.0
-    compute_slowdown = 1.0
+    # are above 1. Either one number or a table by the nodes a data group spans (the
+    # measured size nearest a layout's group in ratio prices it). `calibrate --emulated`
+    # measures them at every group size the nodes divide into: gradient buckets summed
+    # beside a loop of products, every group at once (overlap.py)
+    comm_slowdown = { 2 = 4.6, 4 = 2.9 }
+    compute_slowdown = 1.3
 
     # instead of a gemm table, a device's published peak and the share of it its GEMMs
     # reach (a roofline: a product is also bound by moving its operands, gemm_bytes an
@@ -152,8 +154,16 @@ class NodeKind:
     peak_flops: float | None = None  # a device's published peak (the roofline form)
     gemm_efficiency: float | None = None  # the share of it large products reach
     gemm_bytes: int = 2  # bytes an operand element, for the roofline's memory bound
-    comm_slowdown: float = 1.0  # a data-parallel sum beside compute takes this x alone
-    compute_slowdown: float = 1.0  # compute beside a data-parallel sum takes this x alone
+    # a data-parallel sum beside compute takes comm_slowdown x as long as alone, the
+    # compute compute_slowdown x; each one factor or nodes a data group spans -> factor
+    comm_slowdown: float | dict[int, float] = 1.0
+    compute_slowdown: float | dict[int, float] = 1.0
+
+    def slowdowns(self, nodes: int) -> tuple[float, float]:
+        """``(comm_slowdown, compute_slowdown)`` of a data-parallel sum over a group
+        spanning ``nodes`` nodes: a table's size nearest ``nodes`` in ratio (the
+        larger on a tie)."""
+        return _by_group(self.comm_slowdown, nodes), _by_group(self.compute_slowdown, nodes)
 
     def peak_rate(self, ranks_per_node: int) -> float:
         """A rank's best measured GEMM rate, or the published peak: the denominator of MFU."""
@@ -335,14 +345,41 @@ def _kind(raw: dict, i: int) -> NodeKind:
                                f"ranks per node -> bytes/s")
         stream = {_ranks_key(k, f"{where}.stream"): _number(f"{where}.stream.{k}", v)
                   for k, v in raw["stream"].items()}
-    slowdowns = {}
-    for field in SLOWDOWNS:
-        value = _number(f"{where}.{field}", raw.get(field, 1.0))
-        if value < 1.0:
-            raise ClusterError(f"{where}.{field} ({value!r}) must be 1 or more (how many "
-                               f"times as long as alone)")
-        slowdowns[field] = value
+    slowdowns = {field: _slowdown(raw.get(field, 1.0), f"{where}.{field}")
+                 for field in SLOWDOWNS}
     return NodeKind(name, cores, memory, gemm, stream, cached, **roof, **slowdowns)
+
+
+def _slowdown(raw, where: str) -> float | dict[int, float]:
+    """A slowdown field: one factor, or a table of nodes a data group spans (2 or
+    more) -> factor; every factor at least 1."""
+    def factor(value, at: str) -> float:
+        value = _number(at, value)
+        if value < 1.0:
+            raise ClusterError(f"{at} ({value!r}) must be 1 or more (how many times as "
+                               f"long as alone)")
+        return value
+    if not isinstance(raw, dict):
+        return factor(raw, where)
+    if not raw:
+        raise ClusterError(f"{where} ({{}}) must be a number or a table: nodes a data "
+                           f"group spans -> factor")
+    table = {}
+    for k, v in raw.items():
+        nodes = int(k) if k.isdigit() else 0
+        if nodes < 2 or k != str(nodes):
+            raise ClusterError(f"{where} key {k!r} must be the nodes a data group spans "
+                               f"(an integer of 2 or more written plainly, as \"2\")")
+        table[nodes] = factor(v, f"{where}.{k}")
+    return table
+
+
+def _by_group(value: float | dict[int, float], nodes: int) -> float:
+    """``value``'s factor for a group spanning ``nodes`` nodes (``NodeKind.slowdowns``)."""
+    if not isinstance(value, dict):
+        return value
+    nearest = min(value, key=lambda size: (abs(math.log(size / max(nodes, 1))), -size))
+    return value[nearest]
 
 
 def _gemm_table(raw, where: str) -> dict[int, tuple[tuple[int, float], ...]]:
@@ -503,8 +540,12 @@ def to_toml(c: Cluster) -> str:
             lines.append("stream = { " + ", ".join(f"{r} = {v:.4e}" for r, v in
                                                    sorted(k.stream.items())) + " }")
         for field in SLOWDOWNS:
-            if getattr(k, field) != 1.0:
-                lines.append(f"{field} = {getattr(k, field):.3f}")
+            value = getattr(k, field)
+            if isinstance(value, dict):
+                lines.append(f"{field} = {{ " + ", ".join(
+                    f"{n} = {f:.3f}" for n, f in sorted(value.items())) + " }")
+            elif value != 1.0:
+                lines.append(f"{field} = {value:.3f}")
         lines.append("")
     for kind, count in c.nodes:
         lines += ["[[nodes]]", f"kind = {toml_string(kind)}", f"count = {count}", ""]

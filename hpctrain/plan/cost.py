@@ -44,12 +44,13 @@ Per microbatch of ``b = batch / (dp m)`` sequences, on one model chunk:
   always exposed, and a pipeline stage's sum overlaps only the other stages' remaining
   work). Two properties of the node kind refine it, for sums across nodes:
   ``comm_slowdown`` and ``compute_slowdown`` (1 and 1 unless the description says
-  more): while a sum runs beside the rank's compute, the sum takes ``comm_slowdown``
-  and the compute ``compute_slowdown`` times as long as each does alone, and the step
-  ends when the later of the two does (``beside``; 2.4-2.6 and 1.2-1.4 on the
-  emulated nodes here, whole or half cores, where the copies of TCP and the helper
-  thread that moves the sum share the core with the backward). ``calibrate --emulated`` measures
-  them (``overlap.py``). ZeRO's all-gather is never hidden.
+  more; a table of them is read at the nodes the rank's data group spans): while a
+  sum runs beside the rank's compute, the sum takes ``comm_slowdown`` and the compute
+  ``compute_slowdown`` times as long as each does alone, and the step ends when the
+  later of the two does (``beside``; on four half-core emulated nodes here about 4.6
+  for groups of two nodes and 2.9 for all four, the compute 1.2-1.6, where the copies
+  of TCP and the helper thread that moves the sum share the core with the backward).
+  ``calibrate --emulated`` measures them (``overlap.py``). ZeRO's all-gather is never hidden.
   Periodic averaging strategies send the parameters (an all-reduce) every
   ``average_every`` steps, amortised per step;
   ``hierarchical`` averaging all-reduces the gradients in the node every step;
@@ -403,6 +404,7 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
     notes = []
     # links: which groups of each stage leave a node, which stage-to-stage sends cross one
     tp_inter, dp_inter = spanning_groups(dp, tp, pp, rpn)
+    dp_nodes = data_group_nodes(dp, tp, pp, rpn)
     spans = mem.chunk_blocks(m, pp, v, par.balance)
     n_chunks = len(spans)
     # the peak caches in closed form; the order itself only for a replay (a search's
@@ -522,8 +524,8 @@ def estimate(cfg: Config, cluster: Cluster, *, placement: str = "block",
             + (tied if r in (0, pp - 1) else 0.0)
         bubble = max(0.0, makespan - busy[r])
         # beside the backward, by the node kind slowed most; inside a node no TCP
-        slowdowns = ((max(k.comm_slowdown for k in info["kinds"]),
-                      max(k.compute_slowdown for k in info["kinds"]))
+        slowed = [k.slowdowns(dp_nodes[r]) for k in info["kinds"]]
+        slowdowns = ((max(c for c, _ in slowed), max(x for _, x in slowed))
                      if dp_inter[r] else (1.0, 1.0))
         zero_align = dp if par.zero else 1
         planned = grad_buckets(m, tp, pp, v, par.balance, r, s, par.bucket_mb, zero_align)
@@ -592,6 +594,18 @@ def spanning_groups(dp: int, tp: int, pp: int, rpn: int) -> tuple[tuple[bool, ..
         firsts = r * size + np.arange(tp)  # each data group's first rank; its last
         data.append(bool(np.any(firsts // rpn != (firsts + (dp - 1) * tp) // rpn)))
     return tuple(tensor), tuple(data)
+
+
+@lru_cache(maxsize=4096)
+def data_group_nodes(dp: int, tp: int, pp: int, rpn: int) -> tuple[int, ...]:
+    """Per pipeline rank, the most nodes one of its data groups spans (placement as
+    ``spanning_groups``): the size at which the node kind's slowdowns are read."""
+    out = []
+    for r in range(pp):
+        members = r * dp * tp + np.arange(tp)[:, None] + np.arange(dp)[None, :] * tp
+        nodes = members // rpn
+        out.append(max(len(np.unique(row)) for row in nodes))
+    return tuple(out)
 
 
 @lru_cache(maxsize=4096)

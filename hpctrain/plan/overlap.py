@@ -20,6 +20,12 @@ own machinery, every rank at once, one rank a node:
   them, as during a backward): ``done_s``, when the loop, between two products, first
   sees every bucket reduced, and ``both_s``, when the loop ends.
 
+``group_times`` runs it at every data-group size the nodes divide into, all groups
+of a size at once: the factors depend on it (four half-core nodes at 1 Gbit/s, 16
+MiB: the sum 4.6 times as long beside the products in groups of two, 2.9 times in
+one group of four, alone 0.14 and 0.24 s; done beside them after 0.65 and 0.72 s
+alike, as if the node's core set the pace, not the link).
+
 ``slowdowns`` turns them into the two factors: ``comm_slowdown = done / comm`` and,
 the compute having lost ``both - compute`` seconds while the sum ran beside it for
 ``done``, ``compute_slowdown = done / (done - (both - compute))``; each at least 1.
@@ -114,6 +120,27 @@ def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str
     return {"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s, "done_s": done_s,
             "nbytes": float(sum(4 * n for n in counts)), "buckets": float(len(counts)),
             "ranks": float(comm.Get_size())}
+
+
+def group_sizes(ranks: int) -> list[int]:
+    """The data-group sizes ``group_times`` measures on ``ranks`` nodes: every divisor
+    from 2, largest first."""
+    return [p for p in range(ranks, 1, -1) if ranks % p == 0]
+
+
+def group_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[int, dict]:
+    """``overlap_times`` at every size of ``group_sizes``, ``comm`` cut into groups of
+    consecutive ranks that all measure at once (as a layout's data groups sum beside
+    each other): per size, the times of the group whose sum ended last. Collective."""
+    out = {}
+    for p in group_sizes(comm.Get_size()):
+        group = comm.Split(comm.Get_rank() // p, comm.Get_rank()) if p < comm.Get_size() \
+            else comm
+        times = overlap_times(group, nbytes, bucket_mb, repeats)
+        if group is not comm:
+            group.Free()
+        out[p] = max(comm.allgather(times), key=lambda t: t["done_s"])
+    return out
 
 
 def slowdowns(times: dict[str, float]) -> tuple[float, float]:

@@ -53,3 +53,27 @@ def test_pairs_time_every_op_at_p_2_on_every_pair_at_once(comm):
     assert_all(comm, ok, "pair samples")
     mine = comm.allgather(samples)
     assert_all(comm, mine[0] == mine[1], "the same on both ranks of rank 0's pair")
+
+
+@pytest.mark.mpi
+def test_the_overlap_probe_runs_in_groups_of_every_size_the_world_divides_into(comm):
+    """``overlap.group_times``: one result per divisor of the world from 2, largest
+    first, each measured by groups of that many ranks (its ``ranks``) all at once, the
+    same on every rank; a world of one has no group. Without MPI_THREAD_MULTIPLE (no
+    helper thread to move the sums) every rank raises, naming it."""
+    from mpi4py import MPI
+
+    from hpctrain.plan.overlap import group_sizes, group_times
+
+    p = comm.Get_size()
+    assert group_sizes(p) == [q for q in range(p, 1, -1) if p % q == 0]
+    if p > 1 and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        with pytest.raises(RuntimeError, match="needs MPI_THREAD_MULTIPLE"):
+            group_times(comm, 1 << 20, 0.25, repeats=1)
+        return
+    times = group_times(comm, 1 << 20, 0.25, repeats=1)  # 4 buckets of 256 KiB
+    ok = list(times) == group_sizes(p)
+    ok &= all(t["ranks"] == q and t["buckets"] == 4 and t["comm_s"] > 0
+              and t["compute_s"] > 0 for q, t in times.items())
+    assert_all(comm, ok, f"group times {times}")
+    assert_all(comm, comm.allgather(times) == [times] * p, "same on every rank")
