@@ -148,7 +148,9 @@ def test_the_slowdowns_of_a_sum_beside_compute_are_described_and_priced():
     ("comm_slowdown", {"1": 2.0}, "comm_slowdown key '1' must be the nodes a data group "
                                   "spans"),
     ("comm_slowdown", {"02": 2.0}, "comm_slowdown key '02' must be"),
-    ("compute_slowdown", {}, "compute_slowdown ({}) must be a number or a table")])
+    ("compute_slowdown", {}, "compute_slowdown ({}) must be a number or a table"),
+    ("comm_slowdown", [4.5, 2.9], "comm_slowdown ([4.5, 2.9]) must be a number or a table"),
+    ("comm_slowdown", {"\u00b2": 2.0}, "comm_slowdown key '\u00b2' must be the nodes")])
 def test_a_bad_slowdown_is_named(field, value, message):
     with pytest.raises(cl.ClusterError) as err:
         one_core_nodes(2, **{field: value})

@@ -359,6 +359,9 @@ def _slowdown(raw, where: str) -> float | dict[int, float]:
             raise ClusterError(f"{at} ({value!r}) must be 1 or more (how many times as "
                                f"long as alone)")
         return value
+    if isinstance(raw, list):
+        raise ClusterError(f"{where} ({_show(raw)}) must be a number or a table: nodes a "
+                           f"data group spans -> factor")
     if not isinstance(raw, dict):
         return factor(raw, where)
     if not raw:
@@ -366,7 +369,10 @@ def _slowdown(raw, where: str) -> float | dict[int, float]:
                            f"group spans -> factor")
     table = {}
     for k, v in raw.items():
-        nodes = int(k) if k.isdigit() else 0
+        try:
+            nodes = int(k)
+        except (TypeError, ValueError):
+            nodes = 0
         if nodes < 2 or k != str(nodes):
             raise ClusterError(f"{where} key {k!r} must be the nodes a data group spans "
                                f"(an integer of 2 or more written plainly, as \"2\")")

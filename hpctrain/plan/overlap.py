@@ -51,9 +51,13 @@ COMPUTE_OVER_COMM = 4.0  # the compute loop's length against the sum alone
 TRIES = 3  # lengthen the loop at most this many times for the sum to end inside it
 
 
-def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str, float]:
+def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int,
+                  lined_up=None) -> dict[str, float]:
     """Seconds of the sum alone, compute alone, and both together (module docstring):
-    each the median over ``repeats`` of the slowest rank. Collective over ``comm``."""
+    each the median over ``repeats`` of the slowest rank. Collective over ``comm``, and
+    over ``lined_up`` when given (a communicator of which ``comm`` is one group: every
+    group starts each run of both together at once and lengthens its loop when any
+    group's sum outlasted its own)."""
     from mpi4py import MPI
 
     from hpctrain.bench import timed_on_all_ranks
@@ -106,14 +110,15 @@ def overlap_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[str
         compute_s = timed_on_all_ranks(comm, lambda: loop(watch=False), repeats)
         runs = []
         for _ in range(repeats):
-            comm.Barrier()
+            (lined_up or comm).Barrier()
             mine = np.array(both())
             slowest = np.empty_like(mine)
             comm.Allreduce(mine, slowest, op=MPI.MAX)  # each the slowest rank's
             runs.append(slowest.tolist())
         both_s = statistics.median(r[0] for r in runs)
         done_s = statistics.median(r[1] for r in runs)
-        if done_s < float("inf"):
+        ended = done_s < float("inf")
+        if lined_up.allreduce(ended, op=MPI.LAND) if lined_up is not None else ended:
             break
         products *= 2  # the sum outlasted the loop: a longer one
     buckets.release()
@@ -131,12 +136,14 @@ def group_sizes(ranks: int) -> list[int]:
 def group_times(comm, nbytes: int, bucket_mb: float, repeats: int) -> dict[int, dict]:
     """``overlap_times`` at every size of ``group_sizes``, ``comm`` cut into groups of
     consecutive ranks that all measure at once (as a layout's data groups sum beside
-    each other): per size, the times of the group whose sum ended last. Collective."""
+    each other; ``overlap_times``' ``lined_up``): per size, the times of the group
+    whose sum ended last. Collective."""
     out = {}
     for p in group_sizes(comm.Get_size()):
         group = comm.Split(comm.Get_rank() // p, comm.Get_rank()) if p < comm.Get_size() \
             else comm
-        times = overlap_times(group, nbytes, bucket_mb, repeats)
+        times = overlap_times(group, nbytes, bucket_mb, repeats,
+                              lined_up=comm if group is not comm else None)
         if group is not comm:
             group.Free()
         out[p] = max(comm.allgather(times), key=lambda t: t["done_s"])
