@@ -267,16 +267,21 @@ def _count(where: str, value: Any, what: str = "") -> int:
     return value
 
 
-def _ranks_key(key: str, where: str) -> int:
-    """A table key that counts ranks per node (TOML keys are strings: "2")."""
+def _int_key(key: str, where: str, least: int, what: str) -> int:
+    """A table key that is an integer of at least ``least`` (TOML keys are strings:
+    "2"); ``what`` says what it counts, in the error."""
     try:
-        ranks = int(key)
-    except ValueError:
-        ranks = 0
-    if ranks < 1 or key != str(ranks):  # "01" or " 1" would stand beside "1" unseen
-        raise ClusterError(f"{where} key {key!r} must be a ranks-per-node count (a "
-                           f"positive integer written plainly, as \"2\")")
-    return ranks
+        n = int(key)
+    except (TypeError, ValueError):
+        n = least - 1
+    if n < least or key != str(n):  # "01" or " 1" would stand beside "1" unseen
+        raise ClusterError(f"{where} key {key!r} must be {what} written plainly, as \"2\")")
+    return n
+
+
+def _ranks_key(key: str, where: str) -> int:
+    """A table key that counts ranks per node."""
+    return _int_key(key, where, 1, "a ranks-per-node count (a positive integer")
 
 
 def _text(where: str, value: Any) -> str:
@@ -359,25 +364,13 @@ def _slowdown(raw, where: str) -> float | dict[int, float]:
             raise ClusterError(f"{at} ({value!r}) must be 1 or more (how many times as "
                                f"long as alone)")
         return value
-    if isinstance(raw, list):
+    if isinstance(raw, list) or raw == {}:
         raise ClusterError(f"{where} ({_show(raw)}) must be a number or a table: nodes a "
                            f"data group spans -> factor")
     if not isinstance(raw, dict):
         return factor(raw, where)
-    if not raw:
-        raise ClusterError(f"{where} ({{}}) must be a number or a table: nodes a data "
-                           f"group spans -> factor")
-    table = {}
-    for k, v in raw.items():
-        try:
-            nodes = int(k)
-        except (TypeError, ValueError):
-            nodes = 0
-        if nodes < 2 or k != str(nodes):
-            raise ClusterError(f"{where} key {k!r} must be the nodes a data group spans "
-                               f"(an integer of 2 or more written plainly, as \"2\")")
-        table[nodes] = factor(v, f"{where}.{k}")
-    return table
+    return {_int_key(k, where, 2, "the nodes a data group spans (an integer of 2 or more"):
+            factor(v, f"{where}.{k}") for k, v in raw.items()}
 
 
 def _by_group(value: float | dict[int, float], nodes: int) -> float:
